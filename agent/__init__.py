@@ -1,0 +1,1 @@
+"""The in-engine agent: torch KV block allocator and per-step publisher (imports torch)."""

@@ -1,0 +1,1 @@
+"""The daemon: discovers segments, polls them, serves /metrics, JSON and health."""

@@ -1,0 +1,1 @@
+"""The contract between agent and daemon: schema, segment layout, seqlock."""

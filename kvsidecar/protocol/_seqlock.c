@@ -1,0 +1,414 @@
+/*
+ * _seqlock.c - the two-slot seqcount latch over a shared-memory segment.
+ *
+ * The protocol (see docs/segment-format.md and kvsidecar/protocol/layout.py):
+ *
+ *   published_seq (u64, header offset 64) = k  means  "slot k & 1 holds a
+ *   complete snapshot numbered k". 0 means nothing published yet.
+ *
+ *   writer (one thread, never waits):           reader (any process, read-only):
+ *     k = published_seq + 1                       s = load_acquire(published_seq)
+ *     fence_release()            (W1)             if s == 0: not ready
+ *     slot[k&1] = {k, len, crc, payload}          copy slot[s&1] (header+payload)
+ *     fence_release()            (W2)             fence_acquire()           (R1)
+ *     store(published_seq, k)                     if load(published_seq) != s: retry
+ *     store(heartbeats)                           check slot_seq == s, crc32
+ *
+ * Readers always copy the last *completed* slot and never spin on a write in
+ * progress (kernel raw_write_seqcount_latch). A reader is only disturbed when
+ * the writer laps it: publishing k+1 leaves slot s&1 alone, publishing k+2
+ * overwrites it, and by then published_seq has moved, so the re-check fails.
+ *
+ * Why each fence (Python cannot emit these; that is why this file exists):
+ *  W1: orders the previous publish's store of published_seq before this
+ *      publish's slot stores. Without it a lapped reader could see new slot
+ *      bytes and still read the old sequence number (store-store reordering on
+ *      aarch64) and accept a torn copy.
+ *  W2: orders the slot stores before the store of published_seq, so a reader
+ *      that sees k also sees all of slot k (release half of message passing).
+ *  load_acquire of published_seq: slot loads cannot be hoisted above it.
+ *  R1: the slot copy completes before published_seq is re-read (Boehm,
+ *      "Can seqlocks get along with programming language memory models?").
+ * On x86-64 (TSO) all four compile to compiler barriers only; on aarch64 they
+ * are dmb ish / dmb ishld (dora-rs #3288 is what happens without them).
+ *
+ * The CRC32 (IEEE, same as zlib.crc32) is a second, independent check: a torn
+ * or corrupted slot is rejected even if the ordering above were broken.
+ *
+ * Reads are guarded against SIGBUS: if the segment is truncated under a
+ * reader, touching the lost pages raises SIGBUS, which would kill the daemon.
+ * Like HotSpot's handling of faults in mapped files, the copy runs under a
+ * thread-local sigjmp_buf and the handler jumps back, turning the fault into
+ * an error status. Faults outside a guarded copy go to the previous handler.
+ */
+#define PY_SSIZE_T_CLEAN
+#define _GNU_SOURCE
+#include <Python.h>
+#include <setjmp.h>
+#include <signal.h>
+#include <stdint.h>
+#include <string.h>
+#include <time.h>
+
+/* Header offsets used here; must match layout.py (tested). */
+#define OFF_PUBLISHED_SEQ 64
+#define OFF_HEARTBEAT_MONO 128
+#define OFF_HEARTBEAT_WALL 136
+#define OFF_SLOT_OFF 192
+#define OFF_SLOT_STRIDE 196
+#define OFF_SLOT_CAPACITY 200
+#define SLOT_HEADER_LEN 16 /* u64 slot_seq, u32 payload_len, u32 payload_crc32 */
+
+enum {
+    ST_OK = 0,
+    ST_NOT_PUBLISHED = 1,
+    ST_RETRIES_EXHAUSTED = 2,
+    ST_BAD_LAYOUT = 3,
+    ST_BAD_CRC = 4,
+    ST_SIGBUS = 5,
+    ST_BAD_SLOT = 6,
+};
+
+/* ---- CRC-32 (IEEE 802.3, reflected, poly 0xEDB88320), slicing-by-8 ---- */
+static uint32_t crc_table[8][256];
+
+static void crc_init(void) {
+    for (uint32_t i = 0; i < 256; i++) {
+        uint32_t c = i;
+        for (int k = 0; k < 8; k++) c = (c & 1) ? 0xEDB88320u ^ (c >> 1) : c >> 1;
+        crc_table[0][i] = c;
+    }
+    for (uint32_t i = 0; i < 256; i++)
+        for (int t = 1; t < 8; t++)
+            crc_table[t][i] = (crc_table[t - 1][i] >> 8) ^ crc_table[0][crc_table[t - 1][i] & 0xFF];
+}
+
+static uint32_t crc32_ieee(const uint8_t *p, size_t n) {
+    uint32_t c = 0xFFFFFFFFu;
+    while (n >= 8) {
+        uint32_t lo, hi;
+        memcpy(&lo, p, 4);
+        memcpy(&hi, p + 4, 4);
+        lo ^= c; /* little-endian host assumed; checked at import */
+        c = crc_table[7][lo & 0xFF] ^ crc_table[6][(lo >> 8) & 0xFF] ^
+            crc_table[5][(lo >> 16) & 0xFF] ^ crc_table[4][lo >> 24] ^
+            crc_table[3][hi & 0xFF] ^ crc_table[2][(hi >> 8) & 0xFF] ^
+            crc_table[1][(hi >> 16) & 0xFF] ^ crc_table[0][hi >> 24];
+        p += 8;
+        n -= 8;
+    }
+    while (n--) c = crc_table[0][(c ^ *p++) & 0xFF] ^ (c >> 8);
+    return c ^ 0xFFFFFFFFu;
+}
+
+static inline uint64_t ld64(const uint8_t *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static inline uint32_t ld32(const uint8_t *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+
+static inline uint64_t now_ns(clockid_t clk) {
+    struct timespec ts;
+    clock_gettime(clk, &ts); /* vDSO on Linux: no system call */
+    return (uint64_t)ts.tv_sec * 1000000000u + (uint64_t)ts.tv_nsec;
+}
+
+/* Slot geometry from the header, bounds-checked against the buffer. */
+static int slot_geometry(const uint8_t *base, Py_ssize_t len, uint32_t *off, uint32_t *stride,
+                         uint32_t *cap) {
+    if (len < 256) return -1;
+    *off = ld32(base + OFF_SLOT_OFF);
+    *stride = ld32(base + OFF_SLOT_STRIDE);
+    *cap = ld32(base + OFF_SLOT_CAPACITY);
+    if (*off < 256 || *stride < SLOT_HEADER_LEN || (uint64_t)*cap + SLOT_HEADER_LEN > *stride)
+        return -1;
+    if ((uint64_t)*off + 2 * (uint64_t)*stride > (uint64_t)len) return -1;
+    return 0;
+}
+
+/* ------------------------------- writer -------------------------------- */
+
+static PyObject *py_publish(PyObject *self, PyObject *args) {
+    Py_buffer seg, payload;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*", &seg, &payload)) return NULL;
+    uint8_t *base = seg.buf;
+    uint32_t off, stride, cap;
+    PyObject *result = NULL;
+    if (slot_geometry(base, seg.len, &off, &stride, &cap) != 0) {
+        PyErr_SetString(PyExc_ValueError, "segment header has an invalid slot layout");
+        goto done;
+    }
+    if (payload.len > (Py_ssize_t)cap) {
+        PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds slot capacity %u",
+                     payload.len, cap);
+        goto done;
+    }
+    uint64_t *seqp = (uint64_t *)(base + OFF_PUBLISHED_SEQ);
+    /* Only this writer stores published_seq, so a relaxed load is enough. */
+    uint64_t k = __atomic_load_n(seqp, __ATOMIC_RELAXED) + 1;
+    uint8_t *slot = base + off + (k & 1) * (uint64_t)stride;
+    uint32_t n = (uint32_t)payload.len;
+    uint32_t crc = crc32_ieee(payload.buf, n);
+
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* W1: see the header comment */
+    memcpy(slot, &k, 8);
+    memcpy(slot + 8, &n, 4);
+    memcpy(slot + 12, &crc, 4);
+    memcpy(slot + SLOT_HEADER_LEN, payload.buf, n);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* W2: slot before sequence */
+    __atomic_store_n(seqp, k, __ATOMIC_RELAXED);
+    /* Heartbeats are single aligned 8-byte stores: never torn, no ordering needed. */
+    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
+                     __ATOMIC_RELAXED);
+    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
+                     __ATOMIC_RELAXED);
+    result = PyLong_FromUnsignedLongLong(k);
+done:
+    PyBuffer_Release(&seg);
+    PyBuffer_Release(&payload);
+    return result;
+}
+
+static PyObject *py_heartbeat(PyObject *self, PyObject *arg) {
+    Py_buffer seg;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &seg, PyBUF_WRITABLE) < 0) return NULL;
+    if (seg.len < 256) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "segment too small");
+        return NULL;
+    }
+    uint8_t *base = seg.buf;
+    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
+                     __ATOMIC_RELAXED);
+    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
+                     __ATOMIC_RELAXED);
+    PyBuffer_Release(&seg);
+    Py_RETURN_NONE;
+}
+
+/* ----------------------------- SIGBUS guard ----------------------------- */
+
+static _Thread_local sigjmp_buf *guard_jb = NULL;
+static struct sigaction previous_sigbus;
+static int guard_installed = 0;
+
+static void on_sigbus(int sig, siginfo_t *info, void *uctx) {
+    (void)info;
+    (void)uctx;
+    if (guard_jb != NULL) siglongjmp(*guard_jb, 1);
+    /* Not ours: restore the previous disposition; the faulting access re-executes
+     * on return and is handled (or kills the process) as it would without us. */
+    sigaction(sig, &previous_sigbus, NULL);
+}
+
+static void install_guard(void) {
+    if (guard_installed) return;
+    struct sigaction sa;
+    memset(&sa, 0, sizeof sa);
+    sa.sa_sigaction = on_sigbus;
+    /* SA_NODEFER: we leave the handler by siglongjmp without restoring the
+     * signal mask, so SIGBUS must not stay blocked afterwards. */
+    sa.sa_flags = SA_SIGINFO | SA_NODEFER;
+    sigemptyset(&sa.sa_mask);
+    if (sigaction(SIGBUS, &sa, &previous_sigbus) == 0) guard_installed = 1;
+}
+
+/* Copy len bytes at off, or return -1 if the pages are gone (SIGBUS). */
+static int guarded_copy(uint8_t *dst, const uint8_t *src, size_t n) {
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_jb = NULL;
+        return -1;
+    }
+    guard_jb = &jb;
+    memcpy(dst, src, n);
+    guard_jb = NULL;
+    return 0;
+}
+
+/* ------------------------------- reader -------------------------------- */
+
+/* read_latest(seg, retries) -> (status, seq, header: bytes|None, payload: bytes|None, attempts) */
+static PyObject *py_read_latest(PyObject *self, PyObject *args) {
+    Py_buffer seg;
+    int retries = 8;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*|i", &seg, &retries)) return NULL;
+    install_guard();
+    const uint8_t *base = seg.buf;
+    uint8_t header[256];
+    uint8_t *scratch = NULL;
+    int status = ST_RETRIES_EXHAUSTED;
+    uint64_t s = 0;
+    uint32_t n = 0;
+    int attempt = 0;
+    PyObject *result = NULL;
+
+    if (seg.len < 256 || guarded_copy(header, base, 256) != 0) {
+        status = seg.len < 256 ? ST_BAD_LAYOUT : ST_SIGBUS;
+        goto out;
+    }
+    uint32_t off, stride, cap;
+    if (slot_geometry(header, seg.len, &off, &stride, &cap) != 0) {
+        status = ST_BAD_LAYOUT;
+        goto out;
+    }
+    scratch = PyMem_Malloc((size_t)cap + SLOT_HEADER_LEN);
+    if (scratch == NULL) {
+        PyBuffer_Release(&seg);
+        return PyErr_NoMemory();
+    }
+    const uint64_t *seqp = (const uint64_t *)(base + OFF_PUBLISHED_SEQ);
+    for (attempt = 1; attempt <= retries; attempt++) {
+        /* The slot's loads may not move above this load (acquire). Also a
+         * guarded access: this page can vanish too. */
+        sigjmp_buf jb;
+        if (sigsetjmp(jb, 0) != 0) {
+            guard_jb = NULL;
+            status = ST_SIGBUS;
+            goto out;
+        }
+        guard_jb = &jb;
+        s = __atomic_load_n(seqp, __ATOMIC_ACQUIRE);
+        guard_jb = NULL;
+        if (s == 0) {
+            status = ST_NOT_PUBLISHED;
+            goto out;
+        }
+        const uint8_t *slot = base + off + (s & 1) * (uint64_t)stride;
+        if (guarded_copy(scratch, slot, SLOT_HEADER_LEN) != 0) {
+            status = ST_SIGBUS;
+            goto out;
+        }
+        n = ld32(scratch + 8);
+        if (n > cap) { /* a lapped read, or a corrupt slot; re-check decides */
+            n = 0;
+            status = ST_BAD_SLOT;
+        } else if (guarded_copy(scratch + SLOT_HEADER_LEN, slot + SLOT_HEADER_LEN, n) != 0) {
+            status = ST_SIGBUS;
+            goto out;
+        } else {
+            status = ST_OK;
+        }
+        __atomic_thread_fence(__ATOMIC_ACQUIRE); /* R1: copy before the re-check */
+        uint64_t s2 = __atomic_load_n(seqp, __ATOMIC_RELAXED);
+        if (s2 != s) {
+            status = ST_RETRIES_EXHAUSTED; /* lapped by the writer: try again */
+            continue;
+        }
+        if (status == ST_BAD_SLOT) continue;
+        if (ld64(scratch) != s) {
+            status = ST_BAD_SLOT;
+            continue;
+        }
+        if (crc32_ieee(scratch + SLOT_HEADER_LEN, n) != ld32(scratch + 12)) {
+            status = ST_BAD_CRC;
+            continue;
+        }
+        status = ST_OK;
+        break;
+    }
+    if (attempt > retries) attempt = retries;
+out:
+    if (status == ST_OK) {
+        result = Py_BuildValue("iKy#y#i", status, (unsigned long long)s, (const char *)header,
+                               (Py_ssize_t)256, (const char *)scratch + SLOT_HEADER_LEN,
+                               (Py_ssize_t)n, attempt);
+    } else if (status == ST_SIGBUS || status == ST_BAD_LAYOUT) {
+        result = Py_BuildValue("iKOOi", status, (unsigned long long)s, Py_None, Py_None, attempt);
+    } else {
+        result = Py_BuildValue("iKy#Oi", status, (unsigned long long)s, (const char *)header,
+                               (Py_ssize_t)256, Py_None, attempt);
+    }
+    PyMem_Free(scratch);
+    PyBuffer_Release(&seg);
+    return result;
+}
+
+/* copy_range(seg, offset, length) -> bytes | None (None: pages gone or out of range) */
+static PyObject *py_copy_range(PyObject *self, PyObject *args) {
+    Py_buffer seg;
+    Py_ssize_t off, n;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nn", &seg, &off, &n)) return NULL;
+    if (off < 0 || n < 0 || off > seg.len || n > seg.len - off) {
+        PyBuffer_Release(&seg);
+        Py_RETURN_NONE;
+    }
+    install_guard();
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL) {
+        PyBuffer_Release(&seg);
+        return NULL;
+    }
+    if (guarded_copy((uint8_t *)PyBytes_AS_STRING(out), (const uint8_t *)seg.buf + off,
+                     (size_t)n) != 0) {
+        Py_DECREF(out);
+        out = Py_None;
+        Py_INCREF(out);
+    }
+    PyBuffer_Release(&seg);
+    return out;
+}
+
+static PyObject *py_crc32(PyObject *self, PyObject *arg) {
+    Py_buffer b;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
+    uint32_t c = crc32_ieee(b.buf, (size_t)b.len);
+    PyBuffer_Release(&b);
+    return PyLong_FromUnsignedLong(c);
+}
+
+static PyObject *py_fence_acquire(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    __atomic_thread_fence(__ATOMIC_ACQUIRE);
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_fence_release(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    Py_RETURN_NONE;
+}
+
+static PyMethodDef methods[] = {
+    {"publish", py_publish, METH_VARARGS,
+     "publish(segment, payload) -> seq: write payload into the next slot and publish it."},
+    {"heartbeat", py_heartbeat, METH_O, "heartbeat(segment): store both heartbeat clocks."},
+    {"read_latest", py_read_latest, METH_VARARGS,
+     "read_latest(segment, retries=8) -> (status, seq, header, payload, attempts)."},
+    {"copy_range", py_copy_range, METH_VARARGS,
+     "copy_range(segment, offset, length) -> bytes or None if the pages are gone."},
+    {"crc32", py_crc32, METH_O, "crc32(data) -> int, identical to zlib.crc32."},
+    {"fence_acquire", py_fence_acquire, METH_NOARGS, "atomic_thread_fence(acquire)."},
+    {"fence_release", py_fence_release, METH_NOARGS, "atomic_thread_fence(release)."},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {
+    PyModuleDef_HEAD_INIT, "_seqlock", "Seqlock latch primitives for kvsidecar segments.", -1,
+    methods, NULL, NULL, NULL, NULL,
+};
+
+PyMODINIT_FUNC PyInit__seqlock(void) {
+    crc_init();
+    PyObject *m = PyModule_Create(&module);
+    if (m == NULL) return NULL;
+    PyModule_AddIntConstant(m, "OK", ST_OK);
+    PyModule_AddIntConstant(m, "NOT_PUBLISHED", ST_NOT_PUBLISHED);
+    PyModule_AddIntConstant(m, "RETRIES_EXHAUSTED", ST_RETRIES_EXHAUSTED);
+    PyModule_AddIntConstant(m, "BAD_LAYOUT", ST_BAD_LAYOUT);
+    PyModule_AddIntConstant(m, "BAD_CRC", ST_BAD_CRC);
+    PyModule_AddIntConstant(m, "SIGBUS", ST_SIGBUS);
+    PyModule_AddIntConstant(m, "BAD_SLOT", ST_BAD_SLOT);
+    PyModule_AddIntConstant(m, "OFF_PUBLISHED_SEQ", OFF_PUBLISHED_SEQ);
+    PyModule_AddIntConstant(m, "OFF_HEARTBEAT_MONO", OFF_HEARTBEAT_MONO);
+    PyModule_AddIntConstant(m, "OFF_HEARTBEAT_WALL", OFF_HEARTBEAT_WALL);
+    PyModule_AddIntConstant(m, "OFF_SLOT_OFF", OFF_SLOT_OFF);
+    PyModule_AddIntConstant(m, "OFF_SLOT_STRIDE", OFF_SLOT_STRIDE);
+    PyModule_AddIntConstant(m, "OFF_SLOT_CAPACITY", OFF_SLOT_CAPACITY);
+    PyModule_AddIntConstant(m, "SLOT_HEADER_LEN", SLOT_HEADER_LEN);
+    return m;
+}

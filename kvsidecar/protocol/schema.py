@@ -1,0 +1,192 @@
+"""The snapshot schema: the records the agent publishes and the daemon serves.
+
+One source of truth for both sides. Records are msgspec Structs encoded as
+MessagePack *arrays* (``array_like=True``): field order is the wire order.
+The names travel separately, once per segment, in the `Capabilities` record
+(the segment's directory), so the payload stays small (about 0.5 KB for a
+runtime and four pools) and still self-describing.
+
+Evolution rule (kvcached's, made mechanical by positional encoding):
+
+* New optional fields are **appended** to the end of a record with a default
+  of ``None``; that is a minor version bump. An older reader ignores trailing
+  fields it does not know; a newer reader fills fields an older writer did not
+  send with their default.
+* A missing field (``None``) means *unsupported by this writer*, never zero.
+* The major version changes only when an existing field's meaning, type or
+  position changes. A reader refuses a different major version.
+
+Overlaps (never sum these): ``allocated_blocks`` includes ``reserved_blocks``;
+``available_blocks`` includes ``reserved_blocks`` too (kvcached drains the
+reserve ledger first); ``cached_blocks`` are free-but-evictable prefix blocks
+and are counted in ``available_blocks``, not in ``allocated_blocks``.
+``deferred_free_blocks`` is a subset of ``allocated_blocks``.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+SCHEMA_MAJOR = 1
+SCHEMA_MINOR = 0
+SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
+
+ROLES = ("prefill", "decode", "both")
+
+
+class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True):
+    """Engine-process state for one rank. Counts are instantaneous unless named ``*_total``."""
+
+    schema_version: str = SCHEMA_VERSION
+    engine: str = "unknown"  # vllm / sglang / atom / kvsidecar-demo
+    engine_version: str = ""
+    model_name: str = ""
+    role: str = "both"  # prefill / decode / both
+    pid: int = 0
+    start_time: float = 0.0  # unix seconds the agent started
+    device: str = ""  # e.g. "cuda:0", "cpu"
+    dp_rank: int = 0
+    dp_size: int = 1
+    tp_rank: int = 0
+    tp_size: int = 1
+    pp_rank: int = 0
+    pp_size: int = 1
+    initialized: bool = False
+    step: int = 0  # engine step counter (monotonic for one incarnation)
+    requests_running: int = 0
+    requests_waiting: int = 0
+    requests_deferred_free: int = 0  # finished/aborted, held until every connector releases
+    device_total_bytes: int | None = None
+    device_free_bytes: int | None = None
+    # Agent self-metrics: errors while publishing, and how long the previous publish took.
+    publish_errors_total: int = 0
+    last_publish_duration_ns: int = 0
+
+
+class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True):
+    """One KV-cache pool (kvcached #385 names where they exist).
+
+    Block counts are in blocks; ``*_bytes`` are whole-pool bytes
+    (blocks x block_size_bytes x num_layers x num_kv_buffers).
+    ``*_total`` fields are cumulative counters since the agent started.
+    """
+
+    pool_name: str = "block_pool"  # block_pool (vLLM-like), mha / mla (SGLang-like)
+    pool_type: str = "kv_cache"
+    group_id: int = 0
+    num_layers: int = 0
+    num_kv_buffers: int = 2  # 2 = K and V (MHA/GQA), 1 = MLA
+    block_size_tokens: int = 0
+    block_size_bytes: int = 0  # one block, one layer, one buffer
+    total_blocks: int = 0  # current capacity, excluding the null block
+    allocated_blocks: int = 0  # referenced by a request or reserved; includes reserved
+    reserved_blocks: int = 0  # reserve ledger (try_to_reserve), part of allocated and available
+    available_blocks: int = 0  # allocatable now: free + evictable cached + reserved
+    cached_blocks: int = 0  # unreferenced prefix-cache blocks, evictable (part of available)
+    allocated_bytes: int = 0
+    reserved_bytes: int = 0
+    available_bytes: int = 0
+    virtual_per_layer_bytes: int = 0  # total_blocks x block_size_bytes x num_kv_buffers
+    virtual_total_bytes: int = 0  # virtual_per_layer_bytes x num_layers
+    mapped_bytes: int = 0  # physically backed bytes of the pool
+    in_shrink: bool = False
+    shrink_target_blocks: int | None = None
+    deferred_free_requests: int = 0
+    deferred_free_blocks: int = 0  # physical blocks held by deferred requests, shared once
+    tokens_used: int = 0  # tokens actually stored (token occupancy <= block occupancy)
+    allocs_total: int = 0  # blocks handed out
+    frees_total: int = 0  # blocks returned
+    evictions_total: int = 0  # cached prefix blocks evicted to make room
+    alloc_failures_total: int = 0  # allocation requests refused for lack of blocks
+    prefix_queries_total: int = 0  # blocks looked up in the prefix cache
+    prefix_hits_total: int = 0  # of which found
+    # Optional, from adapters of engines that have them (kvcached page allocator).
+    integration: str | None = None
+    null_block_reserved: bool | None = None
+    total_pages: int | None = None
+    free_pages: int | None = None
+    inuse_pages: int | None = None
+    reserved_pages: int | None = None
+    resize_target_bytes: int | None = None
+
+
+class Snapshot(msgspec.Struct, array_like=True, kw_only=True):
+    """What one slot of a segment carries: the runtime and every registered pool."""
+
+    runtime: RuntimeSnapshot
+    pools: list[KVCachePoolSnapshot] = []
+
+
+FEATURES = {
+    "runtime_snapshot": True,
+    "kv_cache_pool_snapshot": True,
+    "deferred_free": True,
+    "prefix_cache_counters": True,
+    "policy_control": False,  # read-only by design
+}
+
+
+class Capabilities(msgspec.Struct, kw_only=True):
+    """The segment's directory: keyed (not positional) so any reader can parse it.
+
+    ``runtime_fields``/``pool_fields`` name the positions of the array-encoded
+    records; ``snapshot_fields`` names the top-level Snapshot array.
+    """
+
+    schema_version: str = SCHEMA_VERSION
+    schema_major: int = SCHEMA_MAJOR
+    schema_minor: int = SCHEMA_MINOR
+    features: dict[str, bool] = {}
+    snapshot_fields: list[str] = []
+    runtime_fields: list[str] = []
+    pool_fields: list[str] = []
+
+
+def field_names(record: type[msgspec.Struct]) -> list[str]:
+    return list(record.__struct_fields__)
+
+
+def current_capabilities() -> Capabilities:
+    return Capabilities(
+        features=dict(FEATURES),
+        snapshot_fields=field_names(Snapshot),
+        runtime_fields=field_names(RuntimeSnapshot),
+        pool_fields=field_names(KVCachePoolSnapshot),
+    )
+
+
+def to_dict(record: msgspec.Struct) -> dict[str, Any]:
+    """Keyed plain-data view of a record (for JSON output): names, not positions."""
+    out: dict[str, Any] = {}
+    for name in record.__struct_fields__:
+        value = getattr(record, name)
+        if isinstance(value, msgspec.Struct):
+            value = to_dict(value)
+        elif isinstance(value, list):
+            value = [to_dict(v) if isinstance(v, msgspec.Struct) else v for v in value]
+        out[name] = value
+    return out
+
+
+_ENCODER = msgspec.msgpack.Encoder()
+_SNAPSHOT_DECODER = msgspec.msgpack.Decoder(Snapshot)
+_CAPS_DECODER = msgspec.msgpack.Decoder(Capabilities)
+
+
+def encode_snapshot(snapshot: Snapshot) -> bytes:
+    return _ENCODER.encode(snapshot)
+
+
+def decode_snapshot(payload: bytes | memoryview) -> Snapshot:
+    """Decode a payload; raises msgspec.DecodeError / ValidationError on bad input."""
+    return _SNAPSHOT_DECODER.decode(payload)
+
+
+def encode_capabilities(caps: Capabilities) -> bytes:
+    return _ENCODER.encode(caps)
+
+
+def decode_capabilities(data: bytes | memoryview) -> Capabilities:
+    return _CAPS_DECODER.decode(data)
