@@ -1,0 +1,34 @@
+# The two commands the README promises: `make run` and `make test`.
+# Both bootstrap .venv from pyproject.toml, pinning torch via constraints.txt.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-stamp
+PIP_FLAGS ?= -q --disable-pip-version-check
+
+.PHONY: run test lint bench bench-quick clean
+
+$(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[agent,dev]'
+	touch $(STAMP)
+
+run: $(STAMP)
+	$(BIN)/kvsidecar selfcheck $(ARGS)
+
+test: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+bench: $(STAMP)
+	$(BIN)/kvsidecar bench all --out bench-results
+
+bench-quick: $(STAMP)
+	$(BIN)/kvsidecar bench all --quick --out bench-results
+
+clean:
+	rm -rf $(VENV) build *.egg-info kvsidecar/protocol/*.so bench-results

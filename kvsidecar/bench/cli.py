@@ -1,0 +1,53 @@
+"""``kvsidecar bench ...``: each benchmark prints a table and writes JSON."""
+
+from __future__ import annotations
+
+import click
+
+from kvsidecar.bench import report
+
+out_option = click.option(
+    "--out", default="bench-results", show_default=True, help="Directory for JSON results."
+)
+quick_option = click.option("--quick", is_flag=True, help="Short smoke run (CI).")
+
+
+@click.group()
+def bench() -> None:
+    """Benchmarks (medians and ratios measured side by side in one run)."""
+
+
+@bench.command()
+@quick_option
+@out_option
+def publish(quick: bool, out: str) -> None:
+    """Publish and read time for a runtime + 4 pools snapshot."""
+    from kvsidecar.bench import publish as mod
+
+    result = mod.run(quick=quick)
+    report.print_table(
+        f"publish/read (payload {result['payload_bytes']} B, segment {result['segment_bytes']} B)",
+        mod.HEADERS,
+        mod.rows(result),
+    )
+    report.write_json(out, "publish", result)
+
+
+@bench.command(name="torn")
+@quick_option
+@out_option
+@click.option("--seconds", type=float, default=None, help="Duration (default 60, quick 2).")
+@click.option("--readers", type=int, default=2, show_default=True)
+def torn_cmd(quick: bool, out: str, seconds: float | None, readers: int) -> None:
+    """Full-speed writer vs reader processes: reads, retries, torn accepted."""
+    from kvsidecar.bench import torn
+
+    secs = seconds if seconds is not None else (2.0 if quick else 60.0)
+    result = torn.run(seconds=secs, readers=readers)
+    report.print_table(
+        "torn reads",
+        ["seconds", "readers", "reads", "retries", "contended", "torn accepted"],
+        [[secs, readers, result["reads"], result["retries"], result["errors"],
+          result["torn_accepted"]]],
+    )
+    report.write_json(out, "torn", result)

@@ -1,0 +1,614 @@
+"""The Prometheus exporter-toolkit web config file (``--web.config.file``).
+
+Same YAML format as node_exporter and friends (exporter-toolkit
+docs/web-configuration.md), so one file and one ``promtool check web-config``
+serve every exporter on a host. Parsing is strict like the Go side
+(``yaml.UnmarshalStrict``): unknown or duplicate keys are errors, not silently
+ignored typos that leave an endpoint unprotected.
+
+Differences from exporter-toolkit, all reported as errors or `WebConfig.notes`:
+
+* ``cipher_suites`` and ``curve_preferences`` use Go names and are ignored
+  (OpenSSL defaults apply); ``http2`` is ignored (HTTP/1.1 only).
+* ``client_auth_type`` values that accept unverified client certificates
+  (``RequestClientCert``, ``RequireAnyClientCert``) are refused: Python's ssl
+  module cannot request a certificate without verifying it.
+* A ``tls_server_config`` without any certificate is an error (Go quietly
+  serves plain HTTP), and ``cert`` plus ``cert_file`` together is an error.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import hashlib
+import ipaddress
+import logging
+import os
+import re
+import ssl
+import tempfile
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import bcrypt
+import yaml
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "BasicAuth",
+    "HTTPServerConfig",
+    "RateLimitConfig",
+    "TLSServerConfig",
+    "WebConfig",
+    "WebConfigError",
+    "build_ssl_context",
+    "load_web_config",
+    "parse_duration",
+    "parse_web_config",
+    "peer_san_allowed",
+]
+
+
+class WebConfigError(ValueError):
+    """A web config file is unusable; the message is one line naming problem and fix."""
+
+
+TLS_VERSIONS: dict[str, ssl.TLSVersion] = {
+    "TLS10": ssl.TLSVersion.TLSv1,
+    "TLS11": ssl.TLSVersion.TLSv1_1,
+    "TLS12": ssl.TLSVersion.TLSv1_2,
+    "TLS13": ssl.TLSVersion.TLSv1_3,
+}
+
+# Go crypto/tls ClientAuthType names -> ssl verify mode. None: not supported.
+CLIENT_AUTH_TYPES: dict[str, ssl.VerifyMode | None] = {
+    "NoClientCert": ssl.CERT_NONE,
+    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
+    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
+    "RequestClientCert": None,
+    "RequireAnyClientCert": None,
+    "RequireClientCert": None,
+}
+
+# exporter-toolkit's allow-list (web/handler.go extraHTTPHeaders); None = any value.
+ALLOWED_HEADERS: dict[str, tuple[str, ...] | None] = {
+    "Strict-Transport-Security": None,
+    "X-Content-Type-Options": ("nosniff",),
+    "X-Frame-Options": ("deny", "sameorigin"),
+    "X-XSS-Protection": None,
+    "Content-Security-Policy": None,
+}
+
+_BCRYPT_RE = re.compile(r"^\$2[abxy]?\$(\d\d)\$[./A-Za-z0-9]{53}$")
+
+
+@dataclass(frozen=True)
+class TLSServerConfig:
+    """``tls_server_config``; file paths are already absolute (joined with the config's dir)."""
+
+    cert_file: str | None = None
+    key_file: str | None = None
+    cert: str | None = None
+    key: str | None = field(default=None, repr=False)
+    client_ca_file: str | None = None
+    client_ca: str | None = None
+    client_auth_type: str = "NoClientCert"
+    client_allowed_sans: tuple[str, ...] = ()
+    min_version: str = "TLS12"
+    max_version: str = "TLS13"
+    prefer_server_cipher_suites: bool = True
+    cipher_suites: tuple[str, ...] = ()
+    curve_preferences: tuple[str, ...] = ()
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """Files the TLS context is built from, for change detection."""
+        paths = (self.cert_file, self.key_file, self.client_ca_file)
+        return tuple(p for p in paths if p)
+
+
+@dataclass(frozen=True)
+class HTTPServerConfig:
+    """``http_server_config``: extra response headers (``http2`` is accepted and ignored)."""
+
+    headers: Mapping[str, str] = field(default_factory=dict)
+    http2: bool = True
+
+
+@dataclass(frozen=True)
+class RateLimitConfig:
+    """``rate_limit``: a token bucket, one token per ``interval_s``, ``burst`` tokens deep."""
+
+    interval_s: float
+    burst: int
+
+
+@dataclass(frozen=True)
+class WebConfig:
+    """A validated web config. ``path`` is the file it came from (None when parsed from text)."""
+
+    tls: TLSServerConfig | None = None
+    http: HTTPServerConfig = field(default_factory=HTTPServerConfig)
+    basic_auth_users: Mapping[str, str] = field(default_factory=dict, repr=False)
+    rate_limit: RateLimitConfig | None = None
+    path: str | None = None
+    notes: tuple[str, ...] = ()
+
+    @property
+    def files(self) -> tuple[str, ...]:
+        """The config file plus every file it references, for reload-on-change."""
+        own = (self.path,) if self.path else ()
+        return own + (self.tls.files if self.tls else ())
+
+
+# --- YAML -------------------------------------------------------------------------------------
+
+
+class _StrictLoader(yaml.SafeLoader):
+    """SafeLoader that refuses duplicate mapping keys (Go's UnmarshalStrict does too)."""
+
+
+def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode, deep: bool = False) -> dict:
+    loader.flatten_mapping(node)
+    seen: set[Any] = set()
+    for key_node, _ in node.value:
+        key = loader.construct_object(key_node, deep=deep)
+        if key in seen:
+            line = key_node.start_mark.line + 1
+            raise WebConfigError(f"duplicate key {key!r} at line {line}; keep only one")
+        seen.add(key)
+    return loader.construct_mapping(node, deep=deep)
+
+
+_StrictLoader.add_constructor(
+    yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG,
+    _construct_mapping,  # type: ignore[arg-type]
+)
+
+
+class _Section:
+    """Typed, strict access to one YAML mapping; every key must be consumed."""
+
+    def __init__(self, data: Any, where: str) -> None:
+        if data is None:
+            data = {}
+        if not isinstance(data, dict):
+            raise WebConfigError(f"{where} must be a mapping, got {type(data).__name__}")
+        self.data = data
+        self.where = where
+
+    def check_keys(self, allowed: Sequence[str]) -> None:
+        for key in self.data:
+            if key not in allowed:
+                raise WebConfigError(
+                    f"unknown key {key!r} in {self.where}; allowed keys: {', '.join(allowed)}"
+                )
+
+    def get_str(self, key: str, default: str | None = None) -> str | None:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, str):
+            raise WebConfigError(f"{self.where}.{key} must be a string (quote it), got {value!r}")
+        return value
+
+    def get_bool(self, key: str, default: bool) -> bool:
+        value = self.data.get(key)
+        if value is None:
+            return default
+        if not isinstance(value, bool):
+            raise WebConfigError(f"{self.where}.{key} must be true or false, got {value!r}")
+        return value
+
+    def str_list(self, key: str) -> tuple[str, ...]:
+        value = self.data.get(key)
+        if value is None:
+            return ()
+        if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+            raise WebConfigError(f"{self.where}.{key} must be a list of strings, got {value!r}")
+        return tuple(value)
+
+    def str_map(self, key: str) -> dict[str, str]:
+        sub = _Section(self.data.get(key), f"{self.where}.{key}")
+        out: dict[str, str] = {}
+        for k, v in sub.data.items():
+            if not isinstance(k, str) or not isinstance(v, str):
+                raise WebConfigError(
+                    f"{sub.where} must map strings to strings (quote them), got {k!r}: {v!r}"
+                )
+            out[k] = v
+        return out
+
+
+# --- parsing -----------------------------------------------------------------------------------
+
+_DURATION_RE = re.compile(r"(\d+(?:\.\d*)?|\.\d+)(ns|us|µs|μs|ms|s|m|h)")
+_DURATION_UNITS = {
+    "ns": 1e-9,
+    "us": 1e-6,
+    "µs": 1e-6,
+    "μs": 1e-6,
+    "ms": 1e-3,
+    "s": 1.0,
+    "m": 60.0,
+    "h": 3600.0,
+}
+
+
+def parse_duration(text: str) -> float:
+    """Parse a Go/Prometheus duration ("1s", "1m30s", "250ms", "0") into seconds."""
+    text = text.strip()
+    if text == "0":
+        return 0.0
+    pos, total = 0, 0.0
+    for m in _DURATION_RE.finditer(text):
+        if m.start() != pos:
+            break
+        total += float(m.group(1)) * _DURATION_UNITS[m.group(2)]
+        pos = m.end()
+    if pos != len(text) or not text:
+        raise ValueError(f"invalid duration {text!r} (examples: 500ms, 1s, 1m30s)")
+    return total
+
+
+def _join(base_dir: str, path: str | None) -> str | None:
+    # exporter-toolkit resolves relative paths against the config file's directory.
+    if not path:
+        return None
+    return path if os.path.isabs(path) else os.path.join(base_dir, path)
+
+
+def _parse_tls(data: Any, base_dir: str, notes: list[str]) -> TLSServerConfig | None:
+    if data is None:
+        return None
+    s = _Section(data, "tls_server_config")
+    s.check_keys(
+        [
+            "cert",
+            "key",
+            "client_ca",
+            "cert_file",
+            "key_file",
+            "client_auth_type",
+            "client_ca_file",
+            "client_allowed_sans",
+            "min_version",
+            "max_version",
+            "cipher_suites",
+            "prefer_server_cipher_suites",
+            "curve_preferences",
+        ]
+    )
+    tls = TLSServerConfig(
+        cert_file=_join(base_dir, s.get_str("cert_file")),
+        key_file=_join(base_dir, s.get_str("key_file")),
+        cert=s.get_str("cert"),
+        key=s.get_str("key"),
+        client_ca_file=_join(base_dir, s.get_str("client_ca_file")),
+        client_ca=s.get_str("client_ca"),
+        client_auth_type=s.get_str("client_auth_type") or "NoClientCert",
+        client_allowed_sans=s.str_list("client_allowed_sans"),
+        min_version=s.get_str("min_version") or "TLS12",
+        max_version=s.get_str("max_version") or "TLS13",
+        prefer_server_cipher_suites=s.get_bool("prefer_server_cipher_suites", True),
+        cipher_suites=s.str_list("cipher_suites"),
+        curve_preferences=s.str_list("curve_preferences"),
+    )
+    w = "tls_server_config"
+    if tls.cert and tls.cert_file:
+        raise WebConfigError(f"{w}: set only one of cert (inline PEM) or cert_file")
+    if tls.key and tls.key_file:
+        raise WebConfigError(f"{w}: set only one of key (inline PEM) or key_file")
+    if tls.client_ca and tls.client_ca_file:
+        raise WebConfigError(f"{w}: set only one of client_ca (inline PEM) or client_ca_file")
+    if not (tls.cert or tls.cert_file):
+        raise WebConfigError(f"{w}: missing cert_file (or cert); add it or remove {w}")
+    if not (tls.key or tls.key_file):
+        raise WebConfigError(f"{w}: missing key_file (or key); add it or remove {w}")
+    for key in ("min_version", "max_version"):
+        value = getattr(tls, key)
+        if value not in TLS_VERSIONS:
+            raise WebConfigError(
+                f"{w}.{key}: unknown TLS version {value!r}; use one of {', '.join(TLS_VERSIONS)}"
+            )
+    if TLS_VERSIONS[tls.min_version] > TLS_VERSIONS[tls.max_version]:
+        raise WebConfigError(
+            f"{w}: min_version {tls.min_version} is above max_version "
+            f"{tls.max_version}; lower min_version or raise max_version"
+        )
+    if tls.client_auth_type not in CLIENT_AUTH_TYPES:
+        raise WebConfigError(
+            f"{w}.client_auth_type: unknown value {tls.client_auth_type!r}; "
+            "use NoClientCert, VerifyClientCertIfGiven or "
+            "RequireAndVerifyClientCert"
+        )
+    mode = CLIENT_AUTH_TYPES[tls.client_auth_type]
+    if mode is None:
+        raise WebConfigError(
+            f"{w}.client_auth_type {tls.client_auth_type} (unverified client "
+            "certificates) is not supported; use RequireAndVerifyClientCert"
+        )
+    has_ca = bool(tls.client_ca or tls.client_ca_file)
+    if has_ca and mode == ssl.CERT_NONE:
+        raise WebConfigError(
+            f"{w}: client CA configured without a client auth policy; "
+            "set client_auth_type: RequireAndVerifyClientCert"
+        )
+    if mode != ssl.CERT_NONE and not has_ca:
+        raise WebConfigError(
+            f"{w}.client_auth_type {tls.client_auth_type} needs the CA that "
+            "signs client certificates; set client_ca_file"
+        )
+    if tls.client_allowed_sans and mode != ssl.CERT_REQUIRED:
+        raise WebConfigError(
+            f"{w}.client_allowed_sans requires client_auth_type: RequireAndVerifyClientCert"
+        )
+    if tls.cipher_suites:
+        notes.append(f"{w}.cipher_suites is ignored: OpenSSL's default cipher list is used")
+    if tls.curve_preferences:
+        notes.append(f"{w}.curve_preferences is ignored: OpenSSL's default curves are used")
+    if TLS_VERSIONS[tls.min_version] < ssl.TLSVersion.TLSv1_2:
+        notes.append(
+            f"{w}.min_version {tls.min_version}: OpenSSL's security level may still "
+            "refuse TLS below 1.2"
+        )
+    return tls
+
+
+def _parse_http(data: Any) -> HTTPServerConfig:
+    s = _Section(data, "http_server_config")
+    s.check_keys(["http2", "headers"])
+    headers = s.str_map("headers")
+    for name, value in headers.items():
+        if name not in ALLOWED_HEADERS:
+            raise WebConfigError(
+                f"http_server_config.headers: header {name!r} can not be "
+                f"configured; allowed: {', '.join(ALLOWED_HEADERS)}"
+            )
+        allowed = ALLOWED_HEADERS[name]
+        if allowed is not None and value not in allowed:
+            raise WebConfigError(
+                f"http_server_config.headers: invalid value {value!r} for "
+                f"{name}; expected one of {', '.join(allowed)}"
+            )
+    return HTTPServerConfig(headers=headers, http2=s.get_bool("http2", True))
+
+
+def _parse_users(data: Any) -> dict[str, str]:
+    users = _Section({"basic_auth_users": data}, "").str_map("basic_auth_users")
+    for user, hashed in users.items():
+        m = _BCRYPT_RE.match(hashed)
+        if not m or not 4 <= int(m.group(1)) <= 31:
+            raise WebConfigError(
+                f"basic_auth_users: password of user {user!r} is not a bcrypt "
+                "hash; store a hash (htpasswd -nBC 10 \"\" | tr -d ':\\n'), "
+                "never the password"
+            )
+        if ":" in user:
+            raise WebConfigError(
+                f"basic_auth_users: user name {user!r} contains ':', which "
+                "basic auth cannot carry; rename the user"
+            )
+    return users
+
+
+def _parse_rate_limit(data: Any) -> RateLimitConfig | None:
+    if data is None:
+        return None
+    s = _Section(data, "rate_limit")
+    s.check_keys(["interval", "burst"])
+    raw = s.data.get("interval", 0)
+    try:
+        # A bare number is nanoseconds, as for Go's time.Duration.
+        interval = raw / 1e9 if isinstance(raw, int) else parse_duration(str(raw))
+    except ValueError as e:
+        raise WebConfigError(f"rate_limit.interval: {e}") from None
+    burst = s.data.get("burst", 0)
+    if not isinstance(burst, int) or isinstance(burst, bool) or burst < 0:
+        raise WebConfigError(f"rate_limit.burst must be a non-negative integer, got {burst!r}")
+    if interval <= 0:
+        return None  # 0 disables the limiter, as in exporter-toolkit
+    if burst < 1:
+        raise WebConfigError(
+            "rate_limit.burst must be at least 1 when interval is set, or every request is refused"
+        )
+    return RateLimitConfig(interval_s=interval, burst=burst)
+
+
+def parse_web_config(text: str, base_dir: str = ".", path: str | None = None) -> WebConfig:
+    """Parse and validate web config YAML. Relative file paths resolve against ``base_dir``.
+
+    Certificates are not loaded here; `load_web_config` and `build_ssl_context` do that.
+    """
+    try:
+        data = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}" if mark is not None else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise WebConfigError(f"invalid YAML{where}: {problem}") from None
+    top = _Section(data, "the top level")
+    top.check_keys(["tls_server_config", "http_server_config", "basic_auth_users", "rate_limit"])
+    notes: list[str] = []
+    return WebConfig(
+        tls=_parse_tls(top.data.get("tls_server_config"), base_dir, notes),
+        http=_parse_http(top.data.get("http_server_config")),
+        basic_auth_users=_parse_users(top.data.get("basic_auth_users")),
+        rate_limit=_parse_rate_limit(top.data.get("rate_limit")),
+        path=path,
+        notes=tuple(notes),
+    )
+
+
+def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
+    """Read, validate and (if TLS is set) test-load the certificates, like ``promtool``.
+
+    Every problem is a `WebConfigError` whose message starts with the file name.
+    """
+    p = os.fspath(path)
+    try:
+        text = Path(p).read_text(encoding="utf-8")
+    except OSError as e:
+        raise WebConfigError(f"{p}: cannot read web config: {e.strerror or e}") from None
+    except UnicodeDecodeError:
+        raise WebConfigError(f"{p}: web config is not UTF-8 text") from None
+    try:
+        cfg = parse_web_config(text, base_dir=os.path.dirname(os.path.abspath(p)), path=p)
+        if cfg.tls is not None:
+            build_ssl_context(cfg.tls)
+    except WebConfigError as e:
+        raise WebConfigError(f"{p}: {e}") from None
+    return cfg
+
+
+# --- TLS ---------------------------------------------------------------------------------------
+
+
+def _check_readable(key: str, path: str) -> None:
+    try:
+        with open(path, "rb"):
+            pass
+    except OSError as e:
+        raise WebConfigError(f"tls_server_config.{key} {path}: {e.strerror or e}") from None
+
+
+def build_ssl_context(tls: TLSServerConfig) -> ssl.SSLContext:
+    """A server-side `ssl.SSLContext` for ``tls``; raises `WebConfigError` on bad files."""
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+    ctx.minimum_version = TLS_VERSIONS[tls.min_version]
+    ctx.maximum_version = TLS_VERSIONS[tls.max_version]
+    if tls.prefer_server_cipher_suites:
+        ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
+    # Answer ALPN with http/1.1 so HTTP/2-capable clients (Go) don't try h2.
+    ctx.set_alpn_protocols(["http/1.1"])
+    for key in ("cert_file", "key_file", "client_ca_file"):
+        if getattr(tls, key):
+            _check_readable(key, getattr(tls, key))
+    try:
+        with tempfile.TemporaryDirectory(prefix="kvsidecar-tls-") as tmp:
+            # ssl only loads certificates from files: spill inline PEM into a private dir.
+            cert_file, key_file = tls.cert_file, tls.key_file
+            if tls.cert:
+                cert_file = os.path.join(tmp, "cert.pem")
+                Path(cert_file).write_text(tls.cert)
+            if tls.key:
+                key_file = os.path.join(tmp, "key.pem")
+                fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+                with os.fdopen(fd, "w") as f:
+                    f.write(tls.key)
+            ctx.load_cert_chain(cert_file, key_file)  # type: ignore[arg-type]
+    except ssl.SSLError as e:
+        raise WebConfigError(
+            f"tls_server_config: cannot load certificate and key "
+            f"({e.reason or e}); check both are PEM and the key matches "
+            "the certificate"
+        ) from None
+    mode = CLIENT_AUTH_TYPES[tls.client_auth_type]
+    assert mode is not None  # refused by the parser
+    if tls.client_ca_file or tls.client_ca:
+        try:
+            ctx.load_verify_locations(cafile=tls.client_ca_file, cadata=tls.client_ca)
+        except ssl.SSLError as e:
+            raise WebConfigError(
+                f"tls_server_config: cannot load client CA ({e.reason or e}); "
+                "it must be PEM certificates"
+            ) from None
+    ctx.verify_mode = mode
+    return ctx
+
+
+def peer_san_allowed(peercert: Mapping[str, Any] | None, allowed: Sequence[str]) -> bool:
+    """True if the verified peer certificate has a SAN exactly in ``allowed`` (IPs normalized)."""
+    if not peercert:
+        return False
+    allowed_set = set(allowed)
+    allowed_ips = set()
+    for a in allowed:
+        try:
+            allowed_ips.add(ipaddress.ip_address(a))
+        except ValueError:
+            pass
+    for kind, value in peercert.get("subjectAltName", ()):
+        value = value.strip()
+        if kind == "IP Address":
+            try:
+                if ipaddress.ip_address(value) in allowed_ips:
+                    return True
+            except ValueError:
+                continue
+        elif value in allowed_set:
+            return True
+    return False
+
+
+# --- basic auth --------------------------------------------------------------------------------
+
+# Checked when the user is unknown, so unknown and known users take the same time
+# (exporter-toolkit does the same). bcrypt of a random string, cost 10.
+_DUMMY_HASH = b"$2b$10$bDOewQm6ZLmj4z/qZBtlVuen8WmXsKfohPEEOi2UTWIgYzxal1UJG"
+
+
+class BasicAuth:
+    """Verifies basic-auth credentials against bcrypt hashes, caching successes.
+
+    bcrypt is deliberately slow (~50-250 ms), too slow for every scrape. Only
+    successes are cached, keyed by (user, stored hash, sha256(password)): a wrong
+    password never matches a cached entry, and a changed hash invalidates it.
+    Misses are serialized, as exporter-toolkit does, to bound CPU under a flood.
+    """
+
+    def __init__(self, users: Mapping[str, str], cache_size: int = 256) -> None:
+        self.users = dict(users)
+        self._cache: dict[tuple[str, str, bytes], float] = {}
+        self._cache_size = cache_size
+        self._cache_lock = threading.Lock()
+        self._bcrypt_lock = threading.Lock()
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.users)
+
+    def check(self, user: str, password: str) -> bool:
+        hashed = self.users.get(user)
+        # bcrypt only looks at 72 bytes; Go's bcrypt and htpasswd truncate silently too.
+        pw = password.encode("utf-8")[:72]
+        key = (user, hashed or "", hashlib.sha256(pw).digest())
+        if hashed is not None:
+            with self._cache_lock:
+                if key in self._cache:
+                    return True
+        with self._bcrypt_lock:
+            try:
+                ok = bcrypt.checkpw(pw, hashed.encode() if hashed else _DUMMY_HASH)
+            except ValueError:
+                ok = False
+        if not (ok and hashed is not None):
+            return False
+        with self._cache_lock:
+            if len(self._cache) >= self._cache_size:
+                # Drop the oldest entry; the cache only ever holds real users' passwords.
+                del self._cache[min(self._cache, key=self._cache.__getitem__)]
+            self._cache[key] = time.monotonic()
+        return True
+
+    def check_header(self, authorization: str | None) -> bool:
+        """Check an ``Authorization: Basic ...`` header value."""
+        if not authorization:
+            return False
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "basic":
+            return False
+        try:
+            decoded = base64.b64decode(token.strip(), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError):
+            return False
+        user, sep, password = decoded.partition(":")
+        if not sep:
+            return False
+        return self.check(user, password)

@@ -1,0 +1,381 @@
+"""The segment reader, used by the daemon and the CLI. Never writes, never blocks the writer.
+
+``SegmentReader.attach()`` opens the file read-only (``O_RDONLY|O_NOFOLLOW``,
+``PROT_READ``; never ``multiprocessing.shared_memory``, whose resource tracker
+can unlink the engine's segment) and checks everything a corrupt or hostile
+file could get wrong before any byte is trusted. ``read()`` copies the last
+completed slot through the C latch (bounded retries, CRC) and decodes it.
+
+Every failure is returned, not raised, as a `ReadError` subclass whose
+message is one line naming the problem and the fix.
+"""
+
+from __future__ import annotations
+
+import errno
+import fcntl
+import mmap
+import os
+import stat
+import time
+from dataclasses import dataclass
+
+import msgspec
+
+from kvsidecar.protocol import _seqlock, layout
+from kvsidecar.protocol.names import DEFAULT_SHM_DIR, InvalidName, segment_path
+from kvsidecar.protocol.schema import (
+    SCHEMA_MAJOR,
+    Capabilities,
+    Snapshot,
+    decode_capabilities,
+)
+
+DEFAULT_RETRIES = 8
+
+
+class ReadError(Exception):
+    """Base of every typed read error. ``kind`` is a stable short name for metrics."""
+
+    kind = "error"
+
+
+class NotFound(ReadError):
+    kind = "not_found"
+
+
+class NotReady(ReadError):
+    """The writer has not published a snapshot yet, or the file is still being made."""
+
+    kind = "not_ready"
+
+
+class Corrupt(ReadError):
+    kind = "corrupt"
+
+
+class VersionMismatch(ReadError):
+    kind = "version_mismatch"
+
+
+class Refused(ReadError):
+    """Not a file we may read: symlink, FIFO, foreign owner, bad name, permissions."""
+
+    kind = "refused"
+
+
+class Contended(ReadError):
+    """The writer lapped every retry (it publishes faster than we copy). Transient."""
+
+    kind = "contended"
+
+
+class Gone(ReadError):
+    """The segment was unlinked or replaced since we attached: re-attach by name."""
+
+    kind = "gone"
+
+
+class WriterDead(ReadError):
+    """No process holds the writer lock; ``last`` is the last snapshot it published."""
+
+    kind = "writer_dead"
+
+    def __init__(self, message: str, last: Reading | None = None) -> None:
+        super().__init__(message)
+        self.last = last
+
+
+class Stale(ReadError):
+    """The writer is alive but its heartbeat is older than allowed (hung, SIGSTOPped)."""
+
+    kind = "stale"
+
+    def __init__(self, message: str, last: Reading | None = None) -> None:
+        super().__init__(message)
+        self.last = last
+
+
+@dataclass(frozen=True)
+class Reading:
+    """One consistent snapshot and where it came from."""
+
+    snapshot: Snapshot
+    seq: int
+    incarnation: int
+    generation: int
+    heartbeat_mono_ns: int
+    heartbeat_wall_ns: int
+    start_wall_ns: int
+    writer_pid: int
+    attempts: int
+    state: int
+
+    def age_seconds(self, now_mono_ns: int | None = None) -> float:
+        now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
+        return max(0.0, (now - self.heartbeat_mono_ns) / 1e9)
+
+
+class SegmentReader:
+    """A read-only attachment to one segment (one incarnation of it)."""
+
+    def __init__(
+        self,
+        name: str | None = None,
+        *,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        path: str | None = None,
+        allowed_uids: frozenset[int] | None = None,
+        retries: int = DEFAULT_RETRIES,
+    ) -> None:
+        self.name = name or (os.path.basename(path) if path else "")
+        self.shm_dir = shm_dir
+        self._path = path
+        self.allowed_uids = allowed_uids
+        self.retries = retries
+        self.fd = -1
+        self.mm: mmap.mmap | None = None
+        self.inode = 0
+        self.header: layout.Header | None = None
+        self.capabilities: Capabilities | None = None
+        self._decoder = msgspec.msgpack.Decoder(Snapshot)
+
+    @property
+    def path(self) -> str:
+        return self._path or segment_path(self.name, self.shm_dir)
+
+    # -- attach -----------------------------------------------------------------
+
+    def attach(self) -> ReadError | None:
+        """Open, validate and map. Returns None on success, else the error."""
+        self.close()
+        try:
+            path = self.path
+        except InvalidName as e:
+            return Refused(str(e))
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+        except FileNotFoundError:
+            return NotFound(f"segment {path} not found: is the engine's agent running?")
+        except OSError as e:
+            if e.errno == errno.ELOOP:
+                return Refused(f"{path} is a symlink: refused (segments are never followed)")
+            if e.errno == errno.EACCES:
+                return Refused(
+                    f"permission denied on {path}: run the daemon in the engine's group "
+                    "(segments are 0640)"
+                )
+            return Refused(f"cannot open {path}: {e.strerror}")
+        error = self._validate_and_map(fd, path)
+        if error is not None:
+            os.close(fd)
+        return error
+
+    def _validate_and_map(self, fd: int, path: str) -> ReadError | None:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return Refused(f"{path} is not a regular file (FIFO/device?): refused")
+        if self.allowed_uids is not None and st.st_uid not in self.allowed_uids:
+            return Refused(
+                f"{path} is owned by uid {st.st_uid}, not an allowed writer: "
+                "pass --allow-uid to trust it"
+            )
+        if st.st_size == 0:
+            return NotReady(f"{path} is empty (a writer died while creating it?)")
+        if st.st_size < layout.PAGE or st.st_size > layout.MAX_SEGMENT_SIZE:
+            return Corrupt(f"{path} has an impossible size {st.st_size}: not a kvsidecar segment")
+        try:
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:
+            return Refused(f"cannot map {path}: {e}")
+        raw = _seqlock.copy_range(mm, 0, layout.HEADER_LEN)
+        if raw is None:
+            mm.close()
+            return Corrupt(f"{path} was truncated while attaching")
+        header = layout.Header(raw)
+        error = check_header(header, st.st_size, path)
+        caps = None
+        if error is None:
+            caps, error = _read_directory(mm, header, path)
+        if error is not None:
+            mm.close()
+            return error
+        self.fd, self.mm, self.inode = fd, mm, st.st_ino
+        self.header, self.capabilities = header, caps
+        return None
+
+    # -- read -------------------------------------------------------------------
+
+    def read(self) -> Reading | ReadError:
+        """Copy and decode the last completed snapshot (no liveness check)."""
+        mm = self.mm
+        if mm is None:
+            return NotReady(f"segment {self.name} is not attached")
+        try:
+            st = os.fstat(self.fd)
+        except OSError as e:
+            return Gone(f"segment {self.name}: {e.strerror}")
+        if st.st_size < len(mm):
+            return Corrupt(f"segment {self.path} was truncated under the reader")
+        status, seq, raw, payload, attempts = _seqlock.read_latest(mm, self.retries)
+        if status != _seqlock.OK:
+            return _status_error(status, self.path, attempts)
+        header = layout.Header(raw)
+        try:
+            snapshot = self._decoder.decode(payload)
+        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+            return Corrupt(f"segment {self.path}: payload does not decode ({_one_line(e)})")
+        return Reading(
+            snapshot=snapshot,
+            seq=seq,
+            incarnation=header.incarnation,
+            generation=header.generation,
+            heartbeat_mono_ns=header.heartbeat_mono_ns,
+            heartbeat_wall_ns=header.heartbeat_wall_ns,
+            start_wall_ns=header.start_wall_ns,
+            writer_pid=header.writer_pid,
+            attempts=attempts,
+            state=header.state,
+        )
+
+    # -- liveness ----------------------------------------------------------------
+
+    def writer_alive(self) -> bool:
+        """flock probe: the writer holds LOCK_EX for its life, so LOCK_SH fails while it lives."""
+        if self.fd < 0:
+            return False
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except BlockingIOError:
+            return True
+        except OSError:
+            return False
+        fcntl.flock(self.fd, fcntl.LOCK_UN)
+        return False
+
+    def replaced(self) -> bool:
+        """True if the name now points to another file (restart) or to nothing (unlinked)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except (OSError, InvalidName):
+            return True
+        return st.st_ino != self.inode
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self) -> SegmentReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def check_header(header: layout.Header, file_size: int, path: str) -> ReadError | None:
+    """Every size and offset in the header checked against the file before use."""
+    if header.magic != layout.MAGIC:
+        if header.magic == b"\0" * 8:
+            return NotReady(f"{path} is still being created (no magic yet)")
+        return Corrupt(f"{path} has bad magic {header.magic!r}: not a kvsidecar segment")
+    if header.major != layout.LAYOUT_MAJOR:
+        return VersionMismatch(
+            f"{path} has segment layout v{header.major}.{header.minor}; this daemon reads "
+            f"v{layout.LAYOUT_MAJOR}.x: upgrade kvsidecar on the daemon side"
+        )
+    if header.header_len < layout.HEADER_LEN or header.header_len > layout.PAGE:
+        return Corrupt(f"{path}: header_len {header.header_len} is impossible")
+    if header.total_size != file_size:
+        return Corrupt(f"{path}: header says {header.total_size} bytes, file has {file_size}")
+    if header.n_slots != layout.N_SLOTS:
+        return Corrupt(f"{path}: {header.n_slots} slots, expected {layout.N_SLOTS}")
+    if not (header.header_len <= header.dir_off and header.dir_off + header.dir_len <= file_size):
+        return Corrupt(f"{path}: directory at {header.dir_off}+{header.dir_len} is out of bounds")
+    slot_end = header.slot_off + layout.N_SLOTS * header.slot_stride
+    if (
+        header.slot_off < header.dir_off + header.dir_len
+        or header.slot_stride < layout.SLOT_HEADER_LEN + header.slot_capacity
+        or slot_end > file_size
+    ):
+        return Corrupt(
+            f"{path}: slot layout {header.slot_off}/{header.slot_stride} is out of bounds"
+        )
+    return None
+
+
+def _read_directory(
+    mm: mmap.mmap, header: layout.Header, path: str
+) -> tuple[Capabilities | None, ReadError | None]:
+    raw = _seqlock.copy_range(mm, header.dir_off, header.dir_len)
+    if raw is None:
+        return None, Corrupt(f"{path} was truncated while reading its directory")
+    if _seqlock.crc32(raw) != header.dir_crc:
+        return None, Corrupt(f"{path}: directory CRC mismatch")
+    try:
+        caps = decode_capabilities(raw)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        return None, Corrupt(f"{path}: directory does not decode ({_one_line(e)})")
+    if caps.schema_major != SCHEMA_MAJOR:
+        return None, VersionMismatch(
+            f"{path} carries schema v{caps.schema_major}.{caps.schema_minor}; this daemon reads "
+            f"v{SCHEMA_MAJOR}.x: upgrade kvsidecar on the daemon side"
+        )
+    return caps, None
+
+
+def _status_error(status: int, path: str, attempts: int) -> ReadError:
+    if status == _seqlock.NOT_PUBLISHED:
+        return NotReady(f"segment {path} has no snapshot yet (engine not stepping?)")
+    if status == _seqlock.SIGBUS:
+        return Corrupt(f"segment {path} was truncated under the reader")
+    if status == _seqlock.BAD_LAYOUT:
+        return Corrupt(f"segment {path}: slot layout out of bounds")
+    if status == _seqlock.BAD_CRC:
+        return Corrupt(f"segment {path}: slot CRC mismatch on {attempts} attempts")
+    if status == _seqlock.BAD_SLOT:
+        return Corrupt(f"segment {path}: slot header inconsistent on {attempts} attempts")
+    return Contended(f"segment {path}: writer lapped the reader {attempts} times; will retry")
+
+
+def _one_line(e: BaseException) -> str:
+    return " ".join(str(e).split())[:200]
+
+
+def read_segment(
+    name: str,
+    *,
+    shm_dir: str = DEFAULT_SHM_DIR,
+    stale_after: float | None = None,
+    allowed_uids: frozenset[int] | None = None,
+) -> Reading | ReadError:
+    """One-shot read with liveness: a typed snapshot, or a typed error.
+
+    A dead or stale writer yields `WriterDead`/`Stale` carrying the last good
+    snapshot in ``.last``.
+    """
+    with SegmentReader(name, shm_dir=shm_dir, allowed_uids=allowed_uids) as reader:
+        error = reader.attach()
+        if error is not None:
+            return error
+        result = reader.read()
+        last = result if isinstance(result, Reading) else None
+        if not reader.writer_alive():
+            closed = reader.header is not None and _state(reader) == layout.STATE_CLOSED
+            why = "closed" if closed else "no process holds its lock"
+            return WriterDead(f"segment {name}: writer is gone ({why})", last)
+        if last is not None and stale_after is not None and last.age_seconds() > stale_after:
+            return Stale(
+                f"segment {name}: heartbeat {last.age_seconds():.1f}s old (> {stale_after}s): "
+                "engine hung or stopped",
+                last,
+            )
+        return result
+
+
+def _state(reader: SegmentReader) -> int:
+    raw = _seqlock.copy_range(reader.mm, layout.OFF_STATE, 1) if reader.mm else None
+    return raw[0] if raw else layout.STATE_INIT

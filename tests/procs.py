@@ -1,0 +1,48 @@
+"""Real writer processes for lifecycle tests."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import time
+
+WRITER_SCRIPT = r"""
+import sys, time
+from kvsidecar.protocol.writer import SegmentWriter
+from tests.protocol_helpers import sample_snapshot
+name, shm_dir, period = sys.argv[1], sys.argv[2], float(sys.argv[3])
+w = SegmentWriter(name, shm_dir=shm_dir)
+step = 1
+w.publish(sample_snapshot(step))
+print("ready", w.incarnation, flush=True)
+while True:
+    step += 1
+    w.publish(sample_snapshot(step))
+    time.sleep(period)
+"""
+
+
+def start_writer(name: str, shm_dir: str, period: float = 0.005) -> tuple[subprocess.Popen, int]:
+    """Start a publishing writer process; returns it and its incarnation once it published."""
+    from tests.conftest import REPO
+
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER_SCRIPT, name, shm_dir, str(period)],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("ready"):
+        proc.kill()
+        raise RuntimeError(f"writer did not start: {line!r}")
+    return proc, int(line.split()[1])
+
+
+def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
