@@ -45,6 +45,7 @@ def main() -> None:
 def _register() -> None:
     # Imported here so `kvsidecar --help` stays fast and the daemon never imports torch.
     from kvsidecar.bench.cli import bench
+    from kvsidecar.daemon.cli import serve
     from kvsidecar.dump import dump, ls
     from kvsidecar.selfcheck import selfcheck
 
@@ -52,6 +53,7 @@ def _register() -> None:
     main.add_command(ls)
     main.add_command(bench)
     main.add_command(selfcheck)
+    main.add_command(serve)
 
 
 _register()

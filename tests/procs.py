@@ -46,3 +46,79 @@ def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
             return True
         time.sleep(interval)
     return False
+
+
+def start_rank(
+    name: str, shm_dir: str, dp: int = 0, pools: int = 2, period: float = 0.01
+) -> tuple[subprocess.Popen, int]:
+    """Start tests.rank_writer for one rank; returns it and its incarnation."""
+    from tests.conftest import REPO
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "tests.rank_writer",
+            name,
+            shm_dir,
+            str(dp),
+            str(pools),
+            str(period),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+        cwd=REPO,
+    )
+    line = proc.stdout.readline() if proc.stdout else ""
+    if not line.startswith("ready"):
+        proc.kill()
+        raise RuntimeError(f"rank writer did not start: {line!r}")
+    return proc, int(line.split()[1])
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def start_daemon(
+    shm_dir: str, *extra: str, port: int | None = None
+) -> tuple[subprocess.Popen, str]:
+    """Start `kvsidecar serve` as a real process; returns it and its base URL once ready."""
+    import urllib.request
+
+    from tests.conftest import REPO
+
+    port = port or free_port()
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvsidecar",
+            "serve",
+            "--shm-dir",
+            shm_dir,
+            "--web.listen-address",
+            f"127.0.0.1:{port}",
+            *extra,
+        ],
+        cwd=REPO,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    url = f"http://127.0.0.1:{port}"
+
+    def ready() -> bool:
+        try:
+            with urllib.request.urlopen(url + "/-/healthy", timeout=1) as r:
+                return r.status == 200
+        except OSError:
+            return proc.poll() is not None
+
+    if not wait_for(ready, timeout=20) or proc.poll() is not None:
+        proc.kill()
+        raise RuntimeError(f"daemon did not start: {proc.stderr.read() if proc.stderr else ''}")
+    return proc, url

@@ -297,7 +297,7 @@ class _LiveConfig:
                     )
                 self._state = _State.build(cfg, previous=old)
                 self._stamp = _stamp(cfg.files)
-            except WebConfigError as e:
+            except (WebConfigError, OSError) as e:
                 log.error("web config changed but is invalid, keeping the previous one: %s", e)
                 return old
             log.info("reloaded web config %s", cfg.path)
@@ -383,7 +383,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
         try:
             state = self.web._live.current()
             if state.ssl_context is not None:
-                conn = self._handshake(request, state)
+                conn = self._handshake(request, client_address, state)
                 if conn is None:
                     return
             handler = _RequestHandler(conn, client_address, self)
@@ -395,7 +395,9 @@ class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 self._close(conn, linger)
             self.web._connections.release()
 
-    def _handshake(self, sock: socket.socket, state: _State) -> ssl.SSLSocket | None:
+    def _handshake(
+        self, sock: socket.socket, client_address: Any, state: _State
+    ) -> ssl.SSLSocket | None:
         # Here, in the connection's thread, so a slow or silent TLS client costs
         # only its own thread; the socket timeout bounds it.
         assert state.ssl_context is not None and state.cfg is not None
@@ -411,7 +413,7 @@ class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
                 raise ssl.SSLError("client certificate SANs not in client_allowed_sans")
         except (OSError, ValueError) as e:
             self.web.stats.tls_handshake_failed()
-            log.debug("TLS handshake with %s failed: %s", sock, e)
+            log.debug("TLS handshake with %s failed: %s", client_address, e)
             conn.close()
             return None
         return conn
@@ -450,6 +452,9 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
     server_version = "kvsidecar"
     sys_version = ""  # don't advertise the Python version
     disable_nagle_algorithm = True  # headers and body go out in separate writes
+    # Errors for unparseable request lines get a status line and headers (the stdlib
+    # default, HTTP/0.9, sends a bare body that no client can interpret).
+    default_request_version = "HTTP/1.0"
 
     def setup(self) -> None:
         self.linger = False
@@ -472,6 +477,10 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
     def parse_request(self) -> bool:
         self._t0 = time.monotonic()  # after the request line arrived: not keep-alive idle time
         if not super().parse_request():
+            return False
+        if len(self.requestline.split()) != 3:
+            self.close_connection = True
+            self.send_error(400, "HTTP/0.9 requests are not supported")
             return False
         if self.command not in ("GET", "HEAD"):
             self.close_connection = True  # a body may follow that we won't read
@@ -540,7 +549,7 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
             body, ctype = self._render(route)
             headers["Vary"] = "Accept-Encoding"
             if _accepts_gzip(self.headers.get("Accept-Encoding", "")):
-                body = gzip.compress(body, compresslevel=6, mtime=0)
+                body = _gzip_cached(body)
                 headers["Content-Encoding"] = "gzip"
         except Exception:
             log.exception("rendering %s failed", route)
@@ -572,6 +581,24 @@ class _RequestHandler(http.server.BaseHTTPRequestHandler):
         self.end_headers()
         if self.command != "HEAD":
             self.wfile.write(body)
+
+
+_gzip_last: tuple[bytes, bytes] = (b"", gzip.compress(b"", mtime=0))
+
+
+def _gzip_cached(body: bytes) -> bytes:
+    """Compress, reusing the last result for the same body object.
+
+    The daemon renders /metrics once per poll and hands every scrape the same
+    bytes object; compressing 200 KB costs ~3 ms, so repeat scrapes reuse it.
+    """
+    global _gzip_last
+    last_body, last_gz = _gzip_last
+    if body is last_body:
+        return last_gz
+    gz = gzip.compress(body, compresslevel=6, mtime=0)
+    _gzip_last = (body, gz)  # one tuple store: atomic for concurrent handler threads
+    return gz
 
 
 def _accepts_gzip(accept_encoding: str) -> bool:

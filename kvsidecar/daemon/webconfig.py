@@ -215,7 +215,7 @@ class _Section:
         return tuple(value)
 
     def str_map(self, key: str) -> dict[str, str]:
-        sub = _Section(self.data.get(key), f"{self.where}.{key}")
+        sub = _Section(self.data.get(key), f"{self.where}.{key}" if self.where else key)
         out: dict[str, str] = {}
         for k, v in sub.data.items():
             if not isinstance(k, str) or not isinstance(v, str):
@@ -265,8 +265,8 @@ def _join(base_dir: str, path: str | None) -> str | None:
 
 
 def _parse_tls(data: Any, base_dir: str, notes: list[str]) -> TLSServerConfig | None:
-    if data is None:
-        return None
+    if data is None or data == {}:
+        return None  # an empty section means no TLS, as in exporter-toolkit
     s = _Section(data, "tls_server_config")
     s.check_keys(
         [

@@ -1,0 +1,5 @@
+"""``python -m kvsidecar`` = the ``kvsidecar`` command."""
+
+from kvsidecar.cli import main
+
+main()

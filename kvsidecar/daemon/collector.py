@@ -1,0 +1,220 @@
+"""The Prometheus collector: a plain object yielding metric families from target views.
+
+Like prometheus_client's own collectors, `SnapshotCollector.collect()` builds
+fresh families on each call from an immutable list of `TargetView`s, so it
+needs no locking. Only *up* targets export per-rank values; every target
+exports its source health.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+    InfoMetricFamily,
+    Metric,
+)
+
+from kvsidecar import __version__
+from kvsidecar.daemon import metric_defs as md
+from kvsidecar.daemon.targets import STATES, TargetView
+from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot
+
+
+def rank_labels(view: TargetView) -> list[str]:
+    """Label values in md.RANK_LABELS order; empty strings until a snapshot was seen."""
+    if view.last is None:
+        return [view.name, "", "", "", "", "", ""]
+    r = view.last.snapshot.runtime
+    return [
+        view.name,
+        r.engine,
+        r.model_name,
+        r.role,
+        str(r.dp_rank),
+        str(r.tp_rank),
+        str(r.pp_rank),
+    ]
+
+
+def _family(m: md.MetricDef, labels: tuple[str, ...] | list[str]) -> Metric:
+    if m.type == md.COUNTER:
+        return CounterMetricFamily(m.name.removesuffix("_total"), m.help, labels=labels)
+    return GaugeMetricFamily(m.name, m.help, labels=labels)
+
+
+class SnapshotCollector:
+    """Yields every kvsidecar metric family from the current target views."""
+
+    def __init__(
+        self,
+        views: Callable[[], list[TargetView]],
+        daemon_stats: Callable[[], dict] | None = None,
+        http_stats: Callable[[], dict] | None = None,
+    ) -> None:
+        self._views = views
+        self._daemon_stats = daemon_stats
+        self._http_stats = http_stats
+
+    def describe(self) -> list[Metric]:
+        return []  # dynamic: skip registry-time collection
+
+    def collect(self) -> Iterator[Metric]:
+        views = self._views()
+        now = time.monotonic_ns()
+        up = [v for v in views if v.up and v.last is not None]
+        yield from self._runtime(up)
+        yield from self._pools(up)
+        yield from self._dp_sums(up)
+        yield from self._sources(views, now)
+        yield from self._daemon(views)
+
+    # -- per rank ---------------------------------------------------------------
+
+    def _runtime(self, up: list[TargetView]) -> Iterator[Metric]:
+        families = [(m, _family(m, md.RANK_LABELS)) for m in md.RUNTIME]
+        info = InfoMetricFamily(
+            md.ENGINE_INFO.name.removesuffix("_info"), md.ENGINE_INFO.help, labels=md.RANK_LABELS
+        )
+        for view in up:
+            labels = rank_labels(view)
+            r: RuntimeSnapshot = view.last.snapshot.runtime  # type: ignore[union-attr]
+            for m, fam in families:
+                value = getattr(r, m.field)
+                if value is not None:
+                    fam.add_metric(labels, value * m.scale)
+            info.add_metric(
+                labels,
+                {
+                    "engine_version": r.engine_version,
+                    "device": r.device,
+                    "dp_size": str(r.dp_size),
+                    "tp_size": str(r.tp_size),
+                    "pp_size": str(r.pp_size),
+                    "schema_version": r.schema_version,
+                    "initialized": str(r.initialized).lower(),
+                    "pid": str(r.pid),
+                },
+            )
+        for _, fam in families:
+            yield fam
+        yield info
+
+    def _pools(self, up: list[TargetView]) -> Iterator[Metric]:
+        families = [(m, _family(m, md.POOL_LABELS)) for m in md.POOL]
+        usage, tokens, fill = (_family(m, md.POOL_LABELS) for m in md.POOL_DERIVED)
+        for view in up:
+            base = rank_labels(view)
+            for p in view.last.snapshot.pools:  # type: ignore[union-attr]
+                labels = [*base, p.pool_name, str(p.group_id)]
+                for m, fam in families:
+                    value = getattr(p, m.field)
+                    if value is not None:
+                        fam.add_metric(labels, float(value))
+                _derived(p, labels, usage, tokens, fill)
+        for _, fam in families:
+            yield fam
+        yield usage
+        yield tokens
+        yield fill
+
+    def _dp_sums(self, up: list[TargetView]) -> Iterator[Metric]:
+        requests: dict[tuple[str, str, str], int] = {}
+        blocks: dict[tuple[str, str, str], int] = {}
+        for view in up:
+            r = view.last.snapshot.runtime  # type: ignore[union-attr]
+            if r.tp_rank != 0 or r.pp_rank != 0:
+                continue  # one scheduler per DP rank: TP/PP peers hold the same blocks
+            key = (r.engine, r.model_name, r.role)
+            requests[key] = requests.get(key, 0) + r.requests_deferred_free
+            blocks[key] = blocks.get(key, 0) + sum(
+                p.deferred_free_blocks
+                for p in view.last.snapshot.pools  # type: ignore[union-attr]
+            )
+        req_m, blk_m = md.DP
+        req = GaugeMetricFamily(req_m.name, req_m.help, labels=md.DP_LABELS)
+        blk = GaugeMetricFamily(blk_m.name, blk_m.help, labels=md.DP_LABELS)
+        for key in sorted(requests):
+            req.add_metric(list(key), requests[key])
+            blk.add_metric(list(key), blocks[key])
+        yield req
+        yield blk
+
+    # -- health -----------------------------------------------------------------
+
+    def _sources(self, views: list[TargetView], now: int) -> Iterator[Metric]:
+        defs = {m.name: m for m in md.SOURCE}
+
+        def fam(name: str, extra: tuple[str, ...] = ()) -> Metric:
+            return _family(defs[name], (*md.RANK_LABELS, *extra))
+
+        up = fam("kvsidecar_source_up")
+        state = fam("kvsidecar_source_state", ("state",))
+        age = fam("kvsidecar_source_snapshot_age_seconds")
+        restarts = fam("kvsidecar_source_writer_restarts_total")
+        retries = fam("kvsidecar_source_read_retries_total")
+        decode = fam("kvsidecar_source_decode_errors_total")
+        errors = fam("kvsidecar_source_read_errors_total", ("kind",))
+        generation = fam("kvsidecar_source_generation")
+        seq = fam("kvsidecar_source_last_sequence")
+        for view in views:
+            labels = rank_labels(view)
+            up.add_metric(labels, 1.0 if view.up else 0.0)
+            for s in STATES:
+                state.add_metric([*labels, s], 1.0 if view.state == s else 0.0)
+            a = view.age_seconds(now)
+            if a is not None:
+                age.add_metric(labels, a)
+                generation.add_metric(labels, view.last.generation)  # type: ignore[union-attr]
+                seq.add_metric(labels, view.last.seq)  # type: ignore[union-attr]
+            restarts.add_metric(labels, view.writer_restarts_total)
+            retries.add_metric(labels, view.read_retries_total)
+            decode.add_metric(labels, view.decode_errors_total)
+            for kind, n in sorted(view.read_errors_total.items()):
+                errors.add_metric([*labels, kind], n)
+        yield from (up, state, age, restarts, retries, decode, errors, generation, seq)
+
+    def _daemon(self, views: list[TargetView]) -> Iterator[Metric]:
+        defs = {m.name: m for m in md.DAEMON}
+        sources = _family(defs["kvsidecar_sources"], ())
+        sources.add_metric([], len(views))
+        yield sources
+        build = InfoMetricFamily("kvsidecar_build", defs["kvsidecar_build_info"].help)
+        build.add_metric([], {"version": __version__})
+        yield build
+        if self._daemon_stats is not None:
+            stats = self._daemon_stats()
+            poll = _family(defs["kvsidecar_poll_duration_seconds"], ())
+            poll.add_metric([], stats["last_poll_duration_s"])
+            polls = _family(defs["kvsidecar_polls_total"], ())
+            polls.add_metric([], stats["polls_total"])
+            yield poll
+            yield polls
+        if self._http_stats is not None:
+            yield from _http_families(self._http_stats(), defs)
+
+
+def _derived(p: KVCachePoolSnapshot, labels: list[str], usage, tokens, fill) -> None:
+    if p.total_blocks > 0:
+        usage.add_metric(labels, p.allocated_blocks / p.total_blocks)
+        if p.block_size_tokens > 0:
+            tokens.add_metric(labels, p.tokens_used / (p.total_blocks * p.block_size_tokens))
+    if p.allocated_blocks > 0 and p.block_size_tokens > 0:
+        fill.add_metric(labels, p.tokens_used / (p.allocated_blocks * p.block_size_tokens))
+
+
+def _http_families(stats: dict, defs: dict[str, md.MetricDef]) -> Iterator[Metric]:
+    """stats: {"requests": {(handler, code): n}, "durations": {handler: (buckets, sum)}}."""
+    req = _family(defs["kvsidecar_http_requests_total"], ("handler", "code"))
+    for (handler, code), n in sorted(stats.get("requests", {}).items()):
+        req.add_metric([handler, str(code)], n)
+    yield req
+    dur_def = defs["kvsidecar_http_request_duration_seconds"]
+    dur = HistogramMetricFamily(dur_def.name, dur_def.help, labels=("handler",))
+    for handler, (buckets, total) in sorted(stats.get("durations", {}).items()):
+        dur.add_metric([handler], buckets=buckets, sum_value=total)
+    yield dur

@@ -1,0 +1,540 @@
+"""Every metric the daemon exports, in one table: name, type, source, meaning, anchor.
+
+The collector renders from these tables and docs/metrics.md is generated from
+them (``python -m kvsidecar.daemon.metric_defs > docs/metrics.md``; a test
+checks the file is current), so code and documentation cannot drift.
+"""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+GAUGE, COUNTER, INFO, HISTOGRAM = "gauge", "counter", "info", "histogram"
+
+RANK_LABELS = ("segment", "engine", "model_name", "role", "dp_rank", "tp_rank", "pp_rank")
+POOL_LABELS = (*RANK_LABELS, "pool", "group")
+DP_LABELS = ("engine", "model_name", "role")
+
+
+@dataclass(frozen=True)
+class MetricDef:
+    name: str  # full name; counters include _total
+    type: str
+    unit: str
+    help: str
+    field: str = ""  # source record field ("" = derived)
+    scale: float = 1.0
+    anchor: str = ""  # kvcached / ATOM / vLLM / SGLang counterpart
+    overlaps: str = ""
+
+
+RUNTIME: tuple[MetricDef, ...] = (
+    MetricDef(
+        "kvsidecar_engine_steps_total",
+        COUNTER,
+        "steps",
+        "Engine steps since the agent started (runtime.step).",
+        "step",
+    ),
+    MetricDef(
+        "kvsidecar_requests_running",
+        GAUGE,
+        "requests",
+        "Requests scheduled in the last step.",
+        "requests_running",
+        anchor="vllm:num_requests_running, sglang:num_running_reqs",
+    ),
+    MetricDef(
+        "kvsidecar_requests_waiting",
+        GAUGE,
+        "requests",
+        "Requests queued and not yet scheduled.",
+        "requests_waiting",
+        anchor="vllm:num_requests_waiting, sglang:num_queue_reqs",
+    ),
+    MetricDef(
+        "kvsidecar_requests_deferred_free",
+        GAUGE,
+        "requests",
+        "Finished or aborted requests still holding KV until every connector releases "
+        "them (P/D prefill: decode has not pulled yet), on this rank.",
+        "requests_deferred_free",
+        anchor="atom:requests_deferred_free (per rank)",
+    ),
+    MetricDef(
+        "kvsidecar_device_memory_total_bytes",
+        GAUGE,
+        "bytes",
+        "Device memory (GPU: cudaMemGetInfo total; CPU: host MemTotal), sampled <= 10 Hz.",
+        "device_total_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_device_memory_free_bytes",
+        GAUGE,
+        "bytes",
+        "Free device memory (GPU: cudaMemGetInfo free; CPU: MemAvailable).",
+        "device_free_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_engine_start_time_seconds",
+        GAUGE,
+        "seconds",
+        "Unix time the agent started.",
+        "start_time",
+    ),
+    MetricDef(
+        "kvsidecar_agent_publish_errors_total",
+        COUNTER,
+        "errors",
+        "Agent publishes that failed (the engine carried on).",
+        "publish_errors_total",
+    ),
+    MetricDef(
+        "kvsidecar_agent_publish_duration_seconds",
+        GAUGE,
+        "seconds",
+        "Duration of the agent's previous publish (self-metric).",
+        "last_publish_duration_ns",
+        scale=1e-9,
+    ),
+)
+
+ENGINE_INFO = MetricDef(
+    "kvsidecar_engine_info",
+    INFO,
+    "",
+    "Static facts of a rank as labels (engine_version, device, dp/tp/pp sizes, schema, "
+    "initialized); value 1.",
+    anchor="kvcached RuntimeSnapshot",
+)
+
+_B = "blocks"
+POOL: tuple[MetricDef, ...] = (
+    MetricDef(
+        "kvsidecar_kv_pool_total_blocks",
+        GAUGE,
+        _B,
+        "Current capacity of the pool in blocks (excludes the null block).",
+        "total_blocks",
+        anchor="kvcached total_blocks; vllm num_gpu_blocks",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_allocated_blocks",
+        GAUGE,
+        _B,
+        "Blocks held by requests, deferred requests, leases or the reserve ledger.",
+        "allocated_blocks",
+        anchor="kvcached allocated_blocks",
+        overlaps="includes reserved_blocks and deferred_free_blocks",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_reserved_blocks",
+        GAUGE,
+        _B,
+        "Blocks in the reserve ledger (try_to_reserve).",
+        "reserved_blocks",
+        anchor="kvcached reserved_blocks",
+        overlaps="counted in allocated_blocks AND in available_blocks",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_available_blocks",
+        GAUGE,
+        _B,
+        "Blocks allocatable now: free + evictable cached + reserved.",
+        "available_blocks",
+        anchor="kvcached available_blocks",
+        overlaps="includes reserved_blocks and cached_blocks",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_cached_blocks",
+        GAUGE,
+        _B,
+        "Unreferenced prefix-cache blocks kept for reuse, evicted LRU.",
+        "cached_blocks",
+        anchor="vllm prefix cache (evictable blocks)",
+        overlaps="part of available_blocks",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_allocated_bytes",
+        GAUGE,
+        "bytes",
+        "allocated_blocks x block_size_bytes x layers x kv_buffers.",
+        "allocated_bytes",
+        anchor="kvcached allocated_bytes",
+        overlaps="includes reserved_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_reserved_bytes",
+        GAUGE,
+        "bytes",
+        "reserved_blocks in bytes (whole pool).",
+        "reserved_bytes",
+        anchor="kvcached reserved_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_available_bytes",
+        GAUGE,
+        "bytes",
+        "available_blocks in bytes (whole pool).",
+        "available_bytes",
+        anchor="kvcached available_bytes",
+        overlaps="includes reserved_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_virtual_per_layer_bytes",
+        GAUGE,
+        "bytes",
+        "total_blocks x block_size_bytes x kv_buffers (one layer).",
+        "virtual_per_layer_bytes",
+        anchor="kvcached virtual_per_layer_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_virtual_total_bytes",
+        GAUGE,
+        "bytes",
+        "virtual_per_layer_bytes x layers.",
+        "virtual_total_bytes",
+        anchor="kvcached virtual_total_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_mapped_bytes",
+        GAUGE,
+        "bytes",
+        "Physically backed bytes of the pool's storage.",
+        "mapped_bytes",
+        anchor="kvcached mapped_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_layers",
+        GAUGE,
+        "layers",
+        "Layers backed by this pool.",
+        "num_layers",
+        anchor="kvcached num_layers",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_kv_buffers",
+        GAUGE,
+        "buffers",
+        "KV buffers per layer: 2 (K and V) for MHA/GQA, 1 for MLA.",
+        "num_kv_buffers",
+        anchor="kvcached num_kv_buffers",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_block_size_tokens",
+        GAUGE,
+        "tokens",
+        "Tokens per block.",
+        "block_size_tokens",
+        anchor="vllm block_size",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_block_size_bytes",
+        GAUGE,
+        "bytes",
+        "Bytes of one block in one layer and one buffer.",
+        "block_size_bytes",
+        anchor="kvcached block_size_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_in_shrink",
+        GAUGE,
+        "",
+        "1 while a shrink below the allocated count waits for frees.",
+        "in_shrink",
+        anchor="kvcached in_shrink",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_shrink_target_blocks",
+        GAUGE,
+        _B,
+        "Target of the pending shrink (absent when none).",
+        "shrink_target_blocks",
+        anchor="kvcached shrink_target_blocks",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_deferred_free_requests",
+        GAUGE,
+        "requests",
+        "Deferred (finished, not yet released) requests holding blocks of this pool.",
+        "deferred_free_requests",
+        anchor="atom:requests_deferred_free",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_deferred_free_blocks",
+        GAUGE,
+        _B,
+        "Physical blocks held by deferred requests, shared prefix blocks counted once.",
+        "deferred_free_blocks",
+        anchor="atom:kv_cache_blocks_deferred_free",
+        overlaps="subset of allocated_blocks",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_tokens_used",
+        GAUGE,
+        "tokens",
+        "Tokens actually stored in the pool's blocks.",
+        "tokens_used",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_block_allocs_total", COUNTER, _B, "Blocks handed out.", "allocs_total"
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_block_frees_total",
+        COUNTER,
+        _B,
+        "Blocks whose last reference was dropped.",
+        "frees_total",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_evictions_total",
+        COUNTER,
+        _B,
+        "Cached prefix blocks evicted to make room.",
+        "evictions_total",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_alloc_failures_total",
+        COUNTER,
+        "requests",
+        "Allocations refused for lack of blocks.",
+        "alloc_failures_total",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_prefix_queries_total",
+        COUNTER,
+        _B,
+        "Full blocks looked up in the prefix cache.",
+        "prefix_queries_total",
+        anchor="vllm:prefix_cache_queries_total (vLLM counts tokens)",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_prefix_hits_total",
+        COUNTER,
+        _B,
+        "Prefix-cache lookups that found the block.",
+        "prefix_hits_total",
+        anchor="vllm:prefix_cache_hits_total (vLLM counts tokens)",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_null_block_reserved",
+        GAUGE,
+        "",
+        "1 if a null block is set aside (kvcached adapter; absent if unsupported).",
+        "null_block_reserved",
+        anchor="kvcached null_block_reserved",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_total_pages",
+        GAUGE,
+        "pages",
+        "kvcached page allocator: total pages (absent if unsupported).",
+        "total_pages",
+        anchor="kvcached total_pages",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_free_pages",
+        GAUGE,
+        "pages",
+        "kvcached: free pages (includes reserved pages).",
+        "free_pages",
+        anchor="kvcached free_pages",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_inuse_pages",
+        GAUGE,
+        "pages",
+        "kvcached: pages in use.",
+        "inuse_pages",
+        anchor="kvcached inuse_pages",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_reserved_pages",
+        GAUGE,
+        "pages",
+        "kvcached: mapped pages held back for reuse.",
+        "reserved_pages",
+        anchor="kvcached reserved_pages",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_resize_target_bytes",
+        GAUGE,
+        "bytes",
+        "kvcached resize target per layer per buffer (absent when none).",
+        "resize_target_bytes",
+        anchor="kvcached resize_target_bytes (-1 = none)",
+    ),
+)
+
+POOL_DERIVED: tuple[MetricDef, ...] = (
+    MetricDef(
+        "kvsidecar_kv_pool_block_usage_ratio",
+        GAUGE,
+        "ratio",
+        "allocated_blocks / total_blocks (block occupancy).",
+        anchor="vllm:kv_cache_usage_perc (0-1)",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_token_usage_ratio",
+        GAUGE,
+        "ratio",
+        "tokens_used / (total_blocks x block_size_tokens) (token occupancy).",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_block_fill_ratio",
+        GAUGE,
+        "ratio",
+        "tokens_used / (allocated_blocks x block_size_tokens): how full allocated "
+        "blocks are; 1 - this is internal fragmentation.",
+    ),
+)
+
+DP: tuple[MetricDef, ...] = (
+    MetricDef(
+        "kvsidecar_dp_requests_deferred_free",
+        GAUGE,
+        "requests",
+        "requests_deferred_free summed over the DP ranks of one engine (tp_rank=0, "
+        "pp_rank=0 targets: one scheduler per DP rank). Up targets only.",
+        anchor="atom:requests_deferred_free (summed across DP ranks)",
+    ),
+    MetricDef(
+        "kvsidecar_dp_kv_blocks_deferred_free",
+        GAUGE,
+        _B,
+        "deferred_free_blocks of every pool summed over the DP ranks of one engine "
+        "(tp_rank=0, pp_rank=0 targets). Up targets only.",
+        anchor="atom:kv_cache_blocks_deferred_free (summed across DP ranks)",
+    ),
+)
+
+SOURCE: tuple[MetricDef, ...] = (
+    MetricDef(
+        "kvsidecar_source_up",
+        GAUGE,
+        "",
+        "1 if the segment's writer is alive and its snapshot fresh; 0 if stale, dead, "
+        "corrupt, refused or not ready (then no per-rank values are exported).",
+    ),
+    MetricDef(
+        "kvsidecar_source_state",
+        GAUGE,
+        "",
+        "1 for the target's current state (label state: up, stale, dead, corrupt, "
+        "not_ready, refused), 0 for the others.",
+    ),
+    MetricDef(
+        "kvsidecar_source_snapshot_age_seconds",
+        GAUGE,
+        "seconds",
+        "Age of the last good snapshot (now - writer heartbeat); exported in every state.",
+    ),
+    MetricDef(
+        "kvsidecar_source_writer_restarts_total",
+        COUNTER,
+        "restarts",
+        "Writer restarts observed (a new incarnation under the same name).",
+    ),
+    MetricDef(
+        "kvsidecar_source_read_retries_total",
+        COUNTER,
+        "retries",
+        "Seqlock read retries (the writer lapped the reader).",
+    ),
+    MetricDef(
+        "kvsidecar_source_decode_errors_total",
+        COUNTER,
+        "errors",
+        "Reads rejected as corrupt (bad CRC, layout, payload).",
+    ),
+    MetricDef(
+        "kvsidecar_source_read_errors_total",
+        COUNTER,
+        "errors",
+        "Failed reads by kind (label kind).",
+    ),
+    MetricDef(
+        "kvsidecar_source_generation",
+        GAUGE,
+        "",
+        "Generation of the segment (1 + its dead predecessor's).",
+    ),
+    MetricDef(
+        "kvsidecar_source_last_sequence",
+        GAUGE,
+        "",
+        "Sequence number of the last good snapshot (publishes since start).",
+    ),
+)
+
+DAEMON: tuple[MetricDef, ...] = (
+    MetricDef("kvsidecar_sources", GAUGE, "", "Segments currently followed."),
+    MetricDef("kvsidecar_build_info", INFO, "", "kvsidecar version (label version); value 1."),
+    MetricDef(
+        "kvsidecar_poll_duration_seconds",
+        GAUGE,
+        "seconds",
+        "Duration of the last poll of every segment.",
+    ),
+    MetricDef("kvsidecar_polls_total", COUNTER, "polls", "Poll cycles run."),
+    MetricDef(
+        "kvsidecar_http_requests_total",
+        COUNTER,
+        "requests",
+        "HTTP requests served (labels handler, code).",
+    ),
+    MetricDef(
+        "kvsidecar_http_request_duration_seconds",
+        HISTOGRAM,
+        "seconds",
+        "HTTP request duration (label handler).",
+    ),
+)
+
+ALL: tuple[MetricDef, ...] = (*RUNTIME, ENGINE_INFO, *POOL, *POOL_DERIVED, *DP, *SOURCE, *DAEMON)
+
+
+def exported_names() -> list[str]:
+    """Every sample name that can appear in a scrape (histograms expanded, info with _info)."""
+    names = []
+    for m in ALL:
+        if m.type == HISTOGRAM:
+            names += [f"{m.name}_bucket", f"{m.name}_sum", f"{m.name}_count"]
+        else:
+            names.append(m.name)
+    return names
+
+
+def markdown() -> str:
+    out = [
+        "# Metrics",
+        "",
+        "Generated from `kvsidecar/daemon/metric_defs.py` "
+        "(`python -m kvsidecar.daemon.metric_defs > docs/metrics.md`).",
+        "",
+        "Labels. Per-rank metrics carry `" + "`, `".join(RANK_LABELS) + "` (`model_name` and "
+        "`engine` as vLLM names them); pool metrics add `pool` (pool_name) and `group` "
+        "(group_id). DP sums carry `" + "`, `".join(DP_LABELS) + "`. Source-health metrics "
+        "carry `segment` plus the rank labels last seen.",
+        "",
+        "Freshness. A target that is stale, dead, corrupt or not ready exports only its "
+        "source-health metrics (`kvsidecar_source_up 0` and its age), never its old values as "
+        "if fresh. Optional fields the writer does not support (null) produce no series.",
+        "",
+        "Overlaps. Never sum block gauges: allocated includes reserved; available includes "
+        "reserved and cached; deferred-free blocks are part of allocated.",
+        "",
+        "| name | type | unit | meaning | source field | anchor | overlaps |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for m in ALL:
+        field = m.field + (f" x {m.scale:g}" if m.scale != 1.0 else "")
+        out.append(
+            f"| `{m.name}` | {m.type} | {m.unit} | {m.help} | {field} | {m.anchor} | {m.overlaps} |"
+        )
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.stdout.write(markdown())
