@@ -47,7 +47,50 @@ def torn_cmd(quick: bool, out: str, seconds: float | None, readers: int) -> None
     report.print_table(
         "torn reads",
         ["seconds", "readers", "reads", "retries", "contended", "torn accepted"],
-        [[secs, readers, result["reads"], result["retries"], result["errors"],
-          result["torn_accepted"]]],
+        [
+            [
+                secs,
+                readers,
+                result["reads"],
+                result["retries"],
+                result["errors"],
+                result["torn_accepted"],
+            ]
+        ],
     )
     report.write_json(out, "torn", result)
+
+
+@bench.command(name="agent")
+@quick_option
+@out_option
+def agent_cmd(quick: bool, out: str) -> None:
+    """Agent step cost: idle vs 1,000,000 blocks with 10,000 deferred requests (needs torch)."""
+    from kvsidecar.agent import bench_agent
+
+    r = bench_agent.run(quick=quick)
+    report.print_table(
+        f"agent publish per step, 4 pools (big: {r['big_pool_blocks']:,} blocks, "
+        f"{r['deferred_requests']:,} deferred requests holding {r['deferred_blocks']:,} blocks)",
+        ["condition", "n", "median ns", "p99 ns", "ratio to idle"],
+        [
+            ["idle", r["idle"]["n"], r["idle"]["median_ns"], r["idle"]["p99_ns"], 1.0],
+            [
+                "big",
+                r["big"]["n"],
+                r["big"]["median_ns"],
+                r["big"]["p99_ns"],
+                r["ratio_big_over_idle"],
+            ],
+        ],
+    )
+    a = r["alloc_free"]
+    report.print_table(
+        "allocator cost per block (alloc_blocks/free_blocks of 1024)",
+        ["op", "median ns/block", "p90 ns/block"],
+        [
+            ["alloc", a["alloc_ns_per_block_median"], a["alloc_ns_per_block_p90"]],
+            ["free", a["free_ns_per_block_median"], a["free_ns_per_block_p90"]],
+        ],
+    )
+    report.write_json(out, "agent", r)

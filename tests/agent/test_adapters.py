@@ -1,0 +1,129 @@
+"""PoolSource seam and the kvcached dict adapter (dicts shaped like observability.py's)."""
+
+from __future__ import annotations
+
+from kvsidecar.agent.adapters import KvcachedDictAdapter, PoolSource, from_kvcached_dict
+from kvsidecar.agent.pool import KVBlockPool
+
+from kvsidecar.protocol.schema import KVCachePoolSnapshot
+
+MIB = 1 << 20
+
+
+def kvcached_dict(**over) -> dict:
+    """What kvcached's KVCacheManager.observability_snapshot_dict() returns (v1)."""
+    block_mem = 16 * 8 * 128 * 2  # block_size 16 tokens x cell size
+    d = {
+        "schema_version": "kvcached.observability.v1",
+        "pool_type": "kv_cache",
+        "integration": "vllm",
+        "pool_name": "block_pool",
+        "group_id": 0,
+        "num_layers": 32,
+        "num_kv_buffers": 2,
+        "page_size_bytes": 2 * MIB,
+        "block_size_bytes": block_mem,
+        "total_blocks": 1000,
+        "available_blocks": 700,
+        "allocated_blocks": 300,
+        "reserved_blocks": 4,
+        "available_bytes": 700 * block_mem * 64,
+        "allocated_bytes": 300 * block_mem * 64,
+        "reserved_bytes": 4 * block_mem * 64,
+        "null_block_reserved": True,
+        "virtual_per_layer_bytes": 1000 * block_mem * 2,
+        "virtual_total_bytes": 1000 * block_mem * 2 * 32,
+        "mapped_bytes": 20 * 2 * MIB * 64,
+        "total_pages": 64,
+        "free_pages": 44,
+        "inuse_pages": 20,
+        "reserved_pages": 5,
+        "available_physical_pages": 40,
+        "effective_free_pages": 44,
+        "in_shrink": False,
+        "shrink_target_blocks": None,
+        "resize_target_bytes": -1,
+    }
+    d.update(over)
+    return d
+
+
+def test_kvblockpool_is_a_pool_source():
+    pool = KVBlockPool(4, 2, num_layers=1, kv_heads=1, head_dim=2, device="cpu")
+    assert isinstance(pool, PoolSource)
+    src: PoolSource = pool
+    assert isinstance(src.snapshot(), KVCachePoolSnapshot)
+
+
+def test_kvcached_dict_maps_every_shared_field():
+    d = kvcached_dict()
+    adapter = KvcachedDictAdapter(lambda: d)
+    assert isinstance(adapter, PoolSource)
+    s = adapter.snapshot()
+    for name in (
+        "pool_name",
+        "pool_type",
+        "group_id",
+        "num_layers",
+        "num_kv_buffers",
+        "block_size_bytes",
+        "total_blocks",
+        "available_blocks",
+        "allocated_blocks",
+        "reserved_blocks",
+        "available_bytes",
+        "allocated_bytes",
+        "reserved_bytes",
+        "virtual_per_layer_bytes",
+        "virtual_total_bytes",
+        "mapped_bytes",
+        "total_pages",
+        "free_pages",
+        "inuse_pages",
+        "reserved_pages",
+        "in_shrink",
+        "integration",
+        "null_block_reserved",
+    ):
+        assert getattr(s, name) == d[name], name
+    assert s.resize_target_bytes is None  # -1 means no target
+    assert s.shrink_target_blocks is None
+    # kvcached has no such counters: schema defaults.
+    assert s.cached_blocks == 0 and s.allocs_total == 0 and s.block_size_tokens == 0
+
+
+def test_kvcached_shrink_and_resize_target():
+    s = from_kvcached_dict(
+        kvcached_dict(in_shrink=True, shrink_target_blocks=250, resize_target_bytes=512 * MIB)
+    )
+    assert s.in_shrink is True
+    assert s.shrink_target_blocks == 250
+    assert s.resize_target_bytes == 512 * MIB
+
+
+def test_kvcached_missing_unknown_and_odd_values():
+    d = {
+        "pool_name": None,  # Optional in kvcached
+        "num_layers": 24,
+        "available_blocks": -127,  # #436: an unlocked read went negative
+        "lifecycle_phase": "ready",  # a later optional key we do not know
+        "num_kv_buffers": 1,
+    }
+    s = KvcachedDictAdapter(lambda: d, pool_name="mla").snapshot()
+    assert s.pool_name == "mla"
+    assert s.num_layers == 24 and s.num_kv_buffers == 1
+    assert s.available_blocks == 0
+    assert s.total_pages is None and s.null_block_reserved is None
+    assert s.integration is None and s.resize_target_bytes is None
+    assert s.in_shrink is False
+    empty = from_kvcached_dict({})
+    assert empty.pool_name == "block_pool" and empty.num_kv_buffers == 2
+    assert empty.total_blocks == 0
+
+
+def test_adapter_calls_source_every_time():
+    state = {"allocated_blocks": 1}
+    adapter = KvcachedDictAdapter(lambda: dict(state))
+    assert adapter.snapshot().allocated_blocks == 1
+    state["allocated_blocks"] = 7
+    assert adapter.snapshot().allocated_blocks == 7
