@@ -74,9 +74,10 @@ def from_kvcached_dict(d: Mapping[str, Any], pool_name: str = "block_pool") -> K
     * ``num_kv_buffers`` missing -> 2.
     * ``resize_target_bytes``: kvcached uses -1 for "no target"; any negative -> None.
     * ``shrink_target_blocks`` passes through (None when missing).
-    * Fields kvcached does not have (cached/deferred/tokens/op counters, block_size_tokens)
-      stay at the schema default 0; ``total_blocks`` is kvcached's initial capacity
-      (its ``resize()`` does not update it).
+    * Fields kvcached does not have (cached/deferred/tokens/op counters) stay ``None``,
+      the schema's "unsupported", so no exporter shows a fake 0; ``block_size_tokens``
+      stays 0 (unknown). ``total_blocks`` is kvcached's initial capacity (its ``resize()``
+      does not update it).
     """
     snap = KVCachePoolSnapshot(pool_name=d.get("pool_name") or pool_name)
     for name in _INT_FIELDS:

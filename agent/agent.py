@@ -163,8 +163,9 @@ class KVSidecarAgent:
             for i, source in enumerate(self._sources):
                 rec = source.snapshot()
                 pools[i] = rec
-                if rec.deferred_free_requests > deferred:
-                    deferred = rec.deferred_free_requests
+                n = rec.deferred_free_requests
+                if n is not None and n > deferred:
+                    deferred = n
             r.step += 1
             r.requests_running = requests_running
             r.requests_waiting = requests_waiting

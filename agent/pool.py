@@ -180,6 +180,17 @@ class KVBlockPool:
             block_size_tokens=block_size,
             block_size_bytes=self.block_size_bytes,
             null_block_reserved=True,
+            # Optional in the schema (None = unsupported); this pool supports them all.
+            cached_blocks=0,
+            deferred_free_requests=0,
+            deferred_free_blocks=0,
+            tokens_used=0,
+            allocs_total=0,
+            frees_total=0,
+            evictions_total=0,
+            alloc_failures_total=0,
+            prefix_queries_total=0,
+            prefix_hits_total=0,
         )
         self._publish_geometry()
         self._publish()

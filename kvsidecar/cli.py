@@ -7,33 +7,7 @@ variable explicitly so the twins are the documented ones).
 
 from __future__ import annotations
 
-from typing import Any
-
 import click
-
-from kvsidecar.protocol.names import DEFAULT_PREFIX, DEFAULT_SHM_DIR
-
-EXIT_OK, EXIT_NO_TARGET, EXIT_USAGE = 0, 1, 2
-
-
-def shm_dir_option(f: Any) -> Any:
-    return click.option(
-        "--shm-dir",
-        envvar="KVSIDECAR_SHM_DIR",
-        default=DEFAULT_SHM_DIR,
-        show_default=True,
-        help="Directory holding the segments (a tmpfs).",
-    )(f)
-
-
-def prefix_option(f: Any) -> Any:
-    return click.option(
-        "--prefix",
-        envvar="KVSIDECAR_PREFIX",
-        default=DEFAULT_PREFIX,
-        show_default=True,
-        help="Only segments whose name starts with this.",
-    )(f)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

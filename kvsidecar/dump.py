@@ -16,7 +16,7 @@ import time
 import click
 import msgspec
 
-from kvsidecar.cli import EXIT_NO_TARGET, EXIT_OK, prefix_option, shm_dir_option
+from kvsidecar.cli_options import EXIT_NO_TARGET, EXIT_OK, prefix_option, shm_dir_option
 from kvsidecar.daemon.app import view_record
 from kvsidecar.daemon.targets import UP, TargetSet, TargetView
 
@@ -48,6 +48,10 @@ def _fmt_bytes(n: int | None) -> str:
     return str(n)
 
 
+def _n(value: int | None) -> str:
+    return "-" if value is None else str(value)
+
+
 def render_table(views: list[TargetView], width: int = 160) -> str:
     """A top-style text table: one line per rank, one indented line per pool."""
     now = time.monotonic_ns()
@@ -77,9 +81,9 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
             usage = p.allocated_blocks / p.total_blocks if p.total_blocks else 0.0
             lines.append(
                 f"  {p.pool_name[:12]:<12} {p.total_blocks:>8} {p.allocated_blocks:>8} "
-                f"{p.reserved_blocks:>6} {p.available_blocks:>8} {p.cached_blocks:>7} "
-                f"{p.deferred_free_blocks:>9} {usage:>6.1%} {p.tokens_used:>9} "
-                f"{_fmt_bytes(p.allocated_bytes):>10} {p.evictions_total:>8}"
+                f"{p.reserved_blocks:>6} {p.available_blocks:>8} {_n(p.cached_blocks):>7} "
+                f"{_n(p.deferred_free_blocks):>9} {usage:>6.1%} {_n(p.tokens_used):>9} "
+                f"{_fmt_bytes(p.allocated_bytes):>10} {_n(p.evictions_total):>8}"
             )
     return "\n".join(line[:width] for line in lines)
 

@@ -11,7 +11,7 @@ import threading
 import click
 
 from kvsidecar import __version__
-from kvsidecar.cli import EXIT_USAGE, prefix_option, shm_dir_option
+from kvsidecar.cli_options import EXIT_USAGE, prefix_option, shm_dir_option
 
 DEFAULT_LISTEN = ":9400"
 

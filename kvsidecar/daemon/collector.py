@@ -131,10 +131,8 @@ class SnapshotCollector:
                 continue  # one scheduler per DP rank: TP/PP peers hold the same blocks
             key = (r.engine, r.model_name, r.role)
             requests[key] = requests.get(key, 0) + r.requests_deferred_free
-            blocks[key] = blocks.get(key, 0) + sum(
-                p.deferred_free_blocks
-                for p in view.last.snapshot.pools  # type: ignore[union-attr]
-            )
+            pools = view.last.snapshot.pools  # type: ignore[union-attr]
+            blocks[key] = blocks.get(key, 0) + sum(p.deferred_free_blocks or 0 for p in pools)
         req_m, blk_m = md.DP
         req = GaugeMetricFamily(req_m.name, req_m.help, labels=md.DP_LABELS)
         blk = GaugeMetricFamily(blk_m.name, blk_m.help, labels=md.DP_LABELS)
@@ -201,9 +199,11 @@ class SnapshotCollector:
 def _derived(p: KVCachePoolSnapshot, labels: list[str], usage, tokens, fill) -> None:
     if p.total_blocks > 0:
         usage.add_metric(labels, p.allocated_blocks / p.total_blocks)
-        if p.block_size_tokens > 0:
-            tokens.add_metric(labels, p.tokens_used / (p.total_blocks * p.block_size_tokens))
-    if p.allocated_blocks > 0 and p.block_size_tokens > 0:
+    if p.tokens_used is None or p.block_size_tokens <= 0:
+        return  # token occupancy unsupported by this writer: no series, not a fake 0
+    if p.total_blocks > 0:
+        tokens.add_metric(labels, p.tokens_used / (p.total_blocks * p.block_size_tokens))
+    if p.allocated_blocks > 0:
         fill.add_metric(labels, p.tokens_used / (p.allocated_blocks * p.block_size_tokens))
 
 

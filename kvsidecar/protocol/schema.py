@@ -71,6 +71,8 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True):
     Block counts are in blocks; ``*_bytes`` are whole-pool bytes
     (blocks x block_size_bytes x num_layers x num_kv_buffers).
     ``*_total`` fields are cumulative counters since the agent started.
+    Fields typed ``int | None`` are ones some allocators cannot report (kvcached
+    has no prefix cache, deferral or token counters): ``None`` = unsupported.
     """
 
     pool_name: str = "block_pool"  # block_pool (vLLM-like), mha / mla (SGLang-like)
@@ -84,7 +86,7 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True):
     allocated_blocks: int = 0  # referenced by a request or reserved; includes reserved
     reserved_blocks: int = 0  # reserve ledger (try_to_reserve), part of allocated and available
     available_blocks: int = 0  # allocatable now: free + evictable cached + reserved
-    cached_blocks: int = 0  # unreferenced prefix-cache blocks, evictable (part of available)
+    cached_blocks: int | None = None  # unreferenced prefix blocks, evictable (in available)
     allocated_bytes: int = 0
     reserved_bytes: int = 0
     available_bytes: int = 0
@@ -93,15 +95,15 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True):
     mapped_bytes: int = 0  # physically backed bytes of the pool
     in_shrink: bool = False
     shrink_target_blocks: int | None = None
-    deferred_free_requests: int = 0
-    deferred_free_blocks: int = 0  # physical blocks held by deferred requests, shared once
-    tokens_used: int = 0  # tokens actually stored (token occupancy <= block occupancy)
-    allocs_total: int = 0  # blocks handed out
-    frees_total: int = 0  # blocks returned
-    evictions_total: int = 0  # cached prefix blocks evicted to make room
-    alloc_failures_total: int = 0  # allocation requests refused for lack of blocks
-    prefix_queries_total: int = 0  # blocks looked up in the prefix cache
-    prefix_hits_total: int = 0  # of which found
+    deferred_free_requests: int | None = None
+    deferred_free_blocks: int | None = None  # held by deferred requests, shared counted once
+    tokens_used: int | None = None  # tokens actually stored (token occupancy <= block occupancy)
+    allocs_total: int | None = None  # blocks handed out
+    frees_total: int | None = None  # blocks returned
+    evictions_total: int | None = None  # cached prefix blocks evicted to make room
+    alloc_failures_total: int | None = None  # allocation requests refused for lack of blocks
+    prefix_queries_total: int | None = None  # blocks looked up in the prefix cache
+    prefix_hits_total: int | None = None  # of which found
     # Optional, from adapters of engines that have them (kvcached page allocator).
     integration: str | None = None
     null_block_reserved: bool | None = None

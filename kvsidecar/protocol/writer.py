@@ -164,9 +164,7 @@ class SegmentWriter:
             return 0
         try:
             if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SegmentError(
-                    f"{self.path} exists and is not a regular file: remove it first"
-                )
+                raise SegmentError(f"{self.path} exists and is not a regular file: remove it first")
             try:
                 fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
             except BlockingIOError:

@@ -89,7 +89,8 @@ def test_kvcached_dict_maps_every_shared_field():
     assert s.resize_target_bytes is None  # -1 means no target
     assert s.shrink_target_blocks is None
     # kvcached has no such counters: schema defaults.
-    assert s.cached_blocks == 0 and s.allocs_total == 0 and s.block_size_tokens == 0
+    assert s.cached_blocks is None and s.allocs_total is None and s.block_size_tokens == 0
+    assert s.deferred_free_blocks is None and s.tokens_used is None  # unsupported, not 0
 
 
 def test_kvcached_shrink_and_resize_target():

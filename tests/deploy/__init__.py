@@ -1,0 +1,1 @@
+"""Tests of the deployment artifacts under deploy/ and docs/operations.md."""

@@ -1,0 +1,50 @@
+"""docs/operations.md: refers to files that exist and to real flags."""
+
+from __future__ import annotations
+
+import re
+
+from .support import REPO, env_twin, serve_env_twins
+
+DOC = REPO / "docs" / "operations.md"
+
+
+def test_referenced_deploy_files_exist() -> None:
+    text = DOC.read_text()
+    paths = set(re.findall(r"`(deploy/[A-Za-z0-9_./-]+)`", text))
+    assert paths
+    missing = sorted(p for p in paths if not (REPO / p.split(" ")[0]).exists())
+    assert not missing, missing
+
+
+def test_flag_table_matches_cli() -> None:
+    text = DOC.read_text()
+    rows = re.findall(
+        r"^\| `(--[a-z.-]+)[^`]*` (?:\(repeatable\) )?\| `(KVSIDECAR_[A-Z_]+)` \|", text, re.M
+    )
+    assert rows, "flag table not found"
+    for flag, env in rows:
+        assert env == env_twin(flag), flag
+    twins, _ = serve_env_twins()
+    assert {env for _, env in rows} == twins
+
+
+def test_covers_required_topics() -> None:
+    text = DOC.read_text().lower()
+    for topic in (
+        "systemd",
+        "kubernetes",
+        "docker",
+        "--ipc=container:",
+        "fsgroup",
+        "0640",
+        "removeipc",
+        "36 kib",
+        "upgrade",
+        "permission denied",
+        "not found",
+        "stale",
+        "version mismatch",
+        "/dev/shm` full",
+    ):
+        assert topic in text, topic

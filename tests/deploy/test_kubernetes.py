@@ -1,0 +1,208 @@
+"""deploy/kubernetes: schema-valid for Kubernetes 1.29+, native sidecar wired as documented."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from .support import DEPLOY, REPO, find_tool, require_tool, run
+
+K8S = DEPLOY / "kubernetes"
+# Native sidecars (initContainers[].restartPolicy) are on by default from 1.29.
+VERSIONS = ["1.29.0", "1.31.0", "1.37.0"]
+# CRDs kubernetes-validate has no schema for: checked structurally below.
+CRD_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+SHM_DIR = "/run/kvsidecar"
+
+
+def documents() -> list[tuple[Path, dict]]:
+    docs = []
+    for path in sorted(K8S.glob("*.yaml")):
+        for doc in yaml.safe_load_all(path.read_text()):
+            if doc:
+                docs.append((path, doc))
+    return docs
+
+
+def core_manifest_files() -> list[Path]:
+    files = set()
+    for path, doc in documents():
+        if doc.get("kind") == "Kustomization" or doc.get("kind") in CRD_KINDS:
+            continue
+        files.add(path)
+    return sorted(files)
+
+
+def one(kind: str) -> dict:
+    found = [doc for _, doc in documents() if doc.get("kind") == kind]
+    assert len(found) == 1, f"expected one {kind}, found {len(found)}"
+    return found[0]
+
+
+@pytest.fixture(scope="module")
+def pod() -> dict:
+    return one("Deployment")["spec"]["template"]
+
+
+@pytest.fixture(scope="module")
+def sidecar(pod) -> dict:
+    (c,) = [c for c in pod["spec"].get("initContainers", []) if c["name"] == "kvsidecar"]
+    return c
+
+
+@pytest.fixture(scope="module")
+def engine(pod) -> dict:
+    (c,) = [c for c in pod["spec"]["containers"] if c["name"] == "engine"]
+    return c
+
+
+def env(container: dict) -> dict[str, str]:
+    return {e["name"]: e.get("value") for e in container.get("env", [])}
+
+
+def kubernetes_validate() -> list[str]:
+    pytest.importorskip(
+        "kubernetes_validate", reason="kubernetes-validate is not installed (dev extra)"
+    )
+    tool = find_tool("kubernetes-validate")
+    return [tool] if tool else [sys.executable, "-m", "kubernetes_validate"]
+
+
+@pytest.mark.parametrize("version", VERSIONS)
+def test_core_manifests_validate(version: str) -> None:
+    files = core_manifest_files()
+    assert files, "no core manifests found"
+    proc = run([*kubernetes_validate(), "--strict", "-k", version, *map(str, files)])
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "ERROR" not in proc.stdout + proc.stderr
+
+
+def test_validator_rejects_sidecar_before_1_29() -> None:
+    """The schemas are strict enough to see the sidecar field (absent in 1.27)."""
+    proc = run([*kubernetes_validate(), "--strict", "-k", "1.27.0", str(K8S / "deployment.yaml")])
+    assert proc.returncode != 0
+    assert "restartPolicy" in proc.stdout + proc.stderr
+
+
+def test_native_sidecar(sidecar: dict) -> None:
+    # kubernetes-validate accepts any restartPolicy string; only Always makes
+    # an init container a sidecar.
+    assert sidecar["restartPolicy"] == "Always"
+    assert sidecar["args"][0] == "serve"  # the image's ENTRYPOINT is kvsidecar
+    ports = {p["name"]: p for p in sidecar["ports"]}
+    assert ports["metrics"]["containerPort"] == 9400
+    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/-/healthy"
+    assert sidecar["readinessProbe"]["httpGet"]["path"] == "/-/ready"
+    for probe in ("livenessProbe", "readinessProbe"):
+        assert sidecar[probe]["httpGet"]["port"] in ("metrics", 9400)
+    assert env(sidecar).get("KVSIDECAR_WEB_LISTEN_ADDRESS", ":9400").endswith(":9400")
+
+
+def test_shared_segment_volume(pod: dict, sidecar: dict, engine: dict) -> None:
+    volumes = {v["name"]: v for v in pod["spec"]["volumes"]}
+    side_mounts = [
+        m for m in sidecar["volumeMounts"] if m["mountPath"] == env(sidecar)["KVSIDECAR_SHM_DIR"]
+    ]
+    assert len(side_mounts) == 1, "sidecar must mount KVSIDECAR_SHM_DIR"
+    mount = side_mounts[0]
+    assert mount["mountPath"] == SHM_DIR
+    assert mount.get("readOnly") is True
+    vol = volumes[mount["name"]]
+    assert vol["emptyDir"]["medium"] == "Memory"
+    assert vol["emptyDir"]["sizeLimit"] == "16Mi"
+    # The engine (agent) writes the same volume at the same path.
+    eng_mounts = [m for m in engine["volumeMounts"] if m["name"] == mount["name"]]
+    assert len(eng_mounts) == 1
+    assert eng_mounts[0]["mountPath"] == SHM_DIR == env(engine)["KVSIDECAR_SHM_DIR"]
+    assert not eng_mounts[0].get("readOnly", False)
+    # Not the pod's /dev/shm: NCCL and torch fill that one.
+    assert SHM_DIR != "/dev/shm"
+
+
+def test_security_context(pod: dict, sidecar: dict, engine: dict) -> None:
+    spec = pod["spec"]
+    psc = spec["securityContext"]
+    assert isinstance(psc.get("fsGroup"), int), (
+        "fsGroup makes the segments group-readable by the sidecar"
+    )
+    assert psc.get("runAsNonRoot") is True
+    for key in ("hostIPC", "hostPID", "hostNetwork", "shareProcessNamespace"):
+        assert not spec.get(key, False), key
+    assert spec.get("automountServiceAccountToken") is False
+    sc = sidecar["securityContext"]
+    assert sc["runAsNonRoot"] is True
+    assert sc["readOnlyRootFilesystem"] is True
+    assert sc["allowPrivilegeEscalation"] is False
+    assert sc["capabilities"]["drop"] == ["ALL"]
+    assert not sc["capabilities"].get("add")
+    assert sc["seccompProfile"]["type"] == "RuntimeDefault"
+    assert not sc.get("privileged", False)
+    # The sidecar only trusts segments of the engine's UID.
+    assert env(sidecar)["KVSIDECAR_ALLOW_UID"].split() == [
+        str(engine["securityContext"]["runAsUser"])
+    ]
+    assert sc["runAsUser"] != engine["securityContext"]["runAsUser"]
+
+
+def test_sidecar_guaranteed_resources(sidecar: dict) -> None:
+    res = sidecar["resources"]
+    assert res["requests"] == res["limits"]
+    assert set(res["limits"]) >= {"cpu", "memory"}
+
+
+def test_podmonitor(pod: dict, sidecar: dict) -> None:
+    """The PodMonitor is a CRD (no schema offline): check its shape by hand."""
+    pm = one("PodMonitor")
+    assert pm["apiVersion"] == "monitoring.coreos.com/v1"
+    assert set(pm) <= {"apiVersion", "kind", "metadata", "spec"}
+    assert pm["metadata"]["name"]
+    selector = pm["spec"]["selector"]["matchLabels"]
+    labels = pod["metadata"]["labels"]
+    assert selector and all(labels.get(k) == v for k, v in selector.items()), (
+        "selector misses the engine pods"
+    )
+    (endpoint,) = pm["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] in {p["name"] for p in sidecar["ports"]}
+    assert endpoint.get("path", "/metrics") == "/metrics"
+    known = {
+        "port",
+        "path",
+        "interval",
+        "scrapeTimeout",
+        "scheme",
+        "relabelings",
+        "metricRelabelings",
+        "honorLabels",
+        "tlsConfig",
+        "basicAuth",
+    }
+    assert set(endpoint) <= known, f"unexpected endpoint fields {set(endpoint) - known}"
+
+
+def test_kustomization_lists_every_manifest() -> None:
+    kust = one("Kustomization")
+    resources = set(kust["resources"])
+    on_disk = {p.name for p in K8S.glob("*.yaml")} - {"kustomization.yaml"}
+    assert resources == on_disk
+
+
+def test_kustomize_builds() -> None:
+    kubectl = find_tool("kubectl")
+    if kubectl is None:
+        pytest.skip("kubectl is not installed (only needed to render the kustomization)")
+    proc = run([kubectl, "kustomize", str(K8S)])
+    assert proc.returncode == 0, proc.stderr
+    kinds = sorted(d["kind"] for d in yaml.safe_load_all(proc.stdout) if d)
+    assert kinds == ["Deployment", "PodMonitor"]
+
+
+def test_yamllint() -> None:
+    yamllint = require_tool("yamllint", "dev extra")
+    targets = [DEPLOY / ".yamllint", DEPLOY / "kubernetes", DEPLOY / "prometheus"]
+    proc = run(
+        [yamllint, "--strict", "-c", str(DEPLOY / ".yamllint"), *map(str, targets)], cwd=REPO
+    )
+    assert proc.returncode == 0, proc.stdout + proc.stderr
