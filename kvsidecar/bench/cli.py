@@ -94,3 +94,33 @@ def agent_cmd(quick: bool, out: str) -> None:
         ],
     )
     report.write_json(out, "agent", r)
+
+
+@bench.command(name="scrape")
+@quick_option
+@out_option
+def scrape_cmd(quick: bool, out: str) -> None:
+    """/metrics scrapes/s and latency for 1, 4, 16 concurrent clients (8 ranks x 4 pools)."""
+    from kvsidecar.bench import scrape
+
+    r = scrape.run(quick=quick)
+    report.print_table(
+        f"scrape: {r['ranks']} ranks x {r['pools']} pools, {r['series']} series, "
+        f"{r['body_bytes']:,} B body, {r['seconds_per_run']} s per run",
+        scrape.HEADERS,
+        scrape.rows(r),
+    )
+    report.write_json(out, "scrape", r)
+
+
+@bench.command(name="all")
+@quick_option
+@out_option
+@click.pass_context
+def all_cmd(ctx: click.Context, quick: bool, out: str) -> None:
+    """Every benchmark in turn (--quick: the CI smoke run, no thresholds enforced)."""
+    for name, command in bench.commands.items():
+        if name in ("all", "soak"):
+            continue
+        click.echo(f"\n=== bench {name}{' --quick' if quick else ''} ===")
+        ctx.invoke(command, quick=quick, out=out)

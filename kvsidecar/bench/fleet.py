@@ -1,0 +1,135 @@
+"""A fleet of ranks for benchmarks: one process publishing N segments, plus the daemon.
+
+The writer process is the real SegmentWriter publishing realistic snapshots
+(runtime + pools) at a fixed rate; the daemon is the real ``kvsidecar serve``
+subprocess. Used by ``bench scrape``, ``bench footprint`` and ``bench soak``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import multiprocessing as mp
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Iterator
+from typing import Any
+
+from kvsidecar.bench.publish import realistic_snapshot
+from kvsidecar.protocol.writer import SegmentWriter
+
+
+def writer_main(shm_dir: str, ranks: int, pools: int, hz: float, ready: Any, stop: Any) -> None:
+    writers, snaps = [], []
+    for dp in range(ranks):
+        snap = realistic_snapshot(pools)
+        snap.runtime.dp_rank, snap.runtime.dp_size = dp, ranks
+        writers.append(SegmentWriter(f"kvsidecar.bench.dp{dp}.tp0.pp0", shm_dir=shm_dir))
+        snaps.append(snap)
+    ready.set()
+    period = 1.0 / hz
+    next_t = time.monotonic()
+    while not stop.is_set():
+        for w, s in zip(writers, snaps):
+            s.runtime.step += 1
+            s.pools[0].allocated_blocks = 80_000 + s.runtime.step % 1000
+            w.publish(s)
+        next_t += period
+        time.sleep(max(0.0, next_t - time.monotonic()))
+    for w in writers:
+        w.close()
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@contextlib.contextmanager
+def fleet(
+    ranks: int = 8, pools: int = 4, hz: float = 100.0, daemon_args: tuple[str, ...] = ()
+) -> Iterator[dict[str, Any]]:
+    """Yield {"url", "daemon_pid", "writer_pid", "shm_dir"} while writers and daemon run."""
+    shm_dir = tempfile.mkdtemp(prefix="kvsidecar-fleet-", dir="/dev/shm")
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    writer = ctx.Process(target=writer_main, args=(shm_dir, ranks, pools, hz, ready, stop))
+    writer.start()
+    daemon = None
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("benchmark writers did not start")
+        port = free_port()
+        daemon = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "kvsidecar",
+                "serve",
+                "--shm-dir",
+                shm_dir,
+                "--web.listen-address",
+                f"127.0.0.1:{port}",
+                "--log-level",
+                "warning",
+                *daemon_args,
+            ],
+            stdout=subprocess.DEVNULL,
+        )
+        url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 30
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
+                    if b"kvsidecar_source_up{" in r.read():
+                        break
+            except OSError:
+                pass
+            if time.monotonic() > deadline or daemon.poll() is not None:
+                raise RuntimeError("daemon did not come up")
+            time.sleep(0.1)
+        yield {
+            "url": url,
+            "port": port,
+            "daemon_pid": daemon.pid,
+            "writer_pid": writer.pid,
+            "shm_dir": shm_dir,
+        }
+    finally:
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+        stop.set()
+        writer.join(10)
+        if writer.is_alive():
+            writer.kill()
+        shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def proc_stat(pid: int) -> tuple[int, float]:
+    """(RSS bytes, CPU seconds user+system) of a process, from /proc."""
+    with open(f"/proc/{pid}/status") as f:
+        rss = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
+    with open(f"/proc/{pid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    ticks = os.sysconf("SC_CLK_TCK")
+    return rss, (int(fields[11]) + int(fields[12])) / ticks
+
+
+def fd_count(pid: int) -> int:
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def map_count(pid: int) -> int:
+    with open(f"/proc/{pid}/maps") as f:
+        return sum(1 for _ in f)
