@@ -20,6 +20,7 @@ def _register() -> None:
     # Imported here so `kvsidecar --help` stays fast and the daemon never imports torch.
     from kvsidecar.bench.cli import bench
     from kvsidecar.daemon.cli import serve
+    from kvsidecar.demo_cli import demo
     from kvsidecar.dump import dump, ls
     from kvsidecar.selfcheck import selfcheck
 
@@ -28,6 +29,7 @@ def _register() -> None:
     main.add_command(bench)
     main.add_command(selfcheck)
     main.add_command(serve)
+    main.add_command(demo)
 
 
 _register()

@@ -124,3 +124,134 @@ def all_cmd(ctx: click.Context, quick: bool, out: str) -> None:
             continue
         click.echo(f"\n=== bench {name}{' --quick' if quick else ''} ===")
         ctx.invoke(command, quick=quick, out=out)
+
+
+@bench.command(name="observer")
+@quick_option
+@out_option
+@click.option(
+    "--matmul",
+    type=int,
+    default=192,
+    show_default=True,
+    help="Size of the square matmul in each engine step.",
+)
+def observer_cmd(quick: bool, out: str, matmul: int) -> None:
+    """Engine step time under no observer, kvsidecar, in-process exporter, locked snapshot."""
+    from kvsidecar.agent import bench_observer
+
+    r = bench_observer.run(quick=quick, matmul=matmul)
+    rows = [
+        [c, v["n"], v["p50_ms"], v["p99_ms"], v["max_ms"], v["p50_ratio"], v["p99_ratio"]]
+        for c, v in r["conditions"].items()
+    ]
+    report.print_table(
+        f"observer effect: engine step (matmul {r['matmul']}, {r['rounds']} interleaved rounds "
+        f"x {r['steps_per_round']} steps, scrapes at {r['scrape_hz']:g} Hz)",
+        ["condition", "steps", "p50 ms", "p99 ms", "max ms", "p50 ratio", "p99 ratio"],
+        rows,
+    )
+    report.write_json(out, "observer", r)
+
+
+@bench.command(name="footprint")
+@quick_option
+@out_option
+def footprint_cmd(quick: bool, out: str) -> None:
+    """Daemon RSS and CPU% with 8 segments at 4 Hz poll; segment size per rank."""
+    from kvsidecar.bench import footprint
+
+    r = footprint.run(quick=quick)
+    report.print_table(
+        f"footprint: daemon over {r['segments']} segments, {r['poll_hz']} Hz poll, "
+        f"{r['seconds']:.0f} s",
+        [
+            "RSS MB",
+            "peak RSS MB",
+            "CPU % of a core",
+            "open fds",
+            "segment bytes/rank",
+            "target RSS MB",
+            "target CPU %",
+            "met",
+        ],
+        [
+            [
+                r["rss_mb"],
+                r["peak_rss_mb"],
+                r["cpu_pct_of_core"],
+                r["open_fds"],
+                r["segment_bytes_per_rank"],
+                r["targets"]["rss_mb"],
+                r["targets"]["cpu_pct"],
+                "yes" if r["met"] else "NO",
+            ]
+        ],
+    )
+    report.write_json(out, "footprint", r)
+
+
+@bench.command(name="scaling")
+@quick_option
+@out_option
+def scaling_cmd(quick: bool, out: str) -> None:
+    """Agent publish time vs pool size (10^3..10^6) and deferred requests (0..10^4)."""
+    from kvsidecar.agent import bench_scaling
+
+    r = bench_scaling.run(quick=quick)
+    report.print_table(
+        "scaling: agent step (publish) time, 4 pools",
+        ["blocks", "deferred requests", "median ns", "p99 ns", "ratio to smallest"],
+        [
+            [
+                p["blocks"],
+                p["deferred_requests"],
+                p["median_ns"],
+                p["p99_ns"],
+                p["ratio_to_smallest"],
+            ]
+            for p in r["points"]
+        ],
+    )
+    report.write_json(out, "scaling", r)
+
+
+@bench.command(name="soak")
+@quick_option
+@out_option
+@click.option("--seconds", type=float, default=600.0, show_default=True)
+def soak_cmd(quick: bool, out: str, seconds: float) -> None:
+    """Writer at 1 kHz + 20 Hz scrapes for 10 min: errors, RSS growth, fds (not in `all`)."""
+    from kvsidecar.bench import soak
+
+    r = soak.run(seconds=20.0 if quick else seconds, warmup=5.0 if quick else 10.0)
+    report.print_table(
+        f"soak: {r['seconds']:.0f} s, writer {r['writer_hz']} Hz, scrapes {r['scrape_hz']} Hz",
+        [
+            "scrapes",
+            "errors",
+            "steps backwards",
+            "steps advanced",
+            "RSS start MB",
+            "RSS end MB",
+            "growth MB",
+            "fds start/end",
+            "maps start/end",
+            "met",
+        ],
+        [
+            [
+                r["scrapes"],
+                r["errors"],
+                r["steps_backwards"],
+                r["steps_advanced"],
+                r["rss_start_mb"],
+                r["rss_end_mb"],
+                r["rss_growth_mb"],
+                f"{r['fds_start']}/{r['fds_end']}",
+                f"{r['maps_start']}/{r['maps_end']}",
+                "yes" if r["met"] else "NO",
+            ]
+        ],
+    )
+    report.write_json(out, "soak", r)

@@ -1,0 +1,67 @@
+"""``kvsidecar bench scaling``: agent publish time vs pool size and deferred requests.
+
+The claim is O(1): counters are kept at mutation time, so a step costs the
+same for 10^3 or 10^6 blocks and for 0 or 10^4 deferred requests. Each point
+is timed in interleaved rounds against the smallest configuration.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from typing import Any
+
+from kvsidecar.agent.agent import KVSidecarAgent
+from kvsidecar.agent.bench_agent import _tiny_pool
+
+from kvsidecar.bench.report import summarize, time_calls, timer_overhead_ns
+
+
+def _pools(blocks: int, deferred: int):
+    big = _tiny_pool(blocks, "block_pool")
+    prefix = list(range(32))
+    for i in range(deferred):
+        rid = f"d{i}"
+        if big.allocate_prompt(rid, prefix + [100_000 + i] * 16) is None:
+            raise RuntimeError("pool too small")
+        big.finish(rid, connectors=("pd",))
+    return [big] + [_tiny_pool(1000, f"pool{i}") for i in (1, 2, 3)]
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    sizes = [10**3, 10**4, 10**5] + ([] if quick else [10**6])
+    deferrals = [0, 10, 100, 1000] + ([] if quick else [10**4])
+    deferred_pool = 10**5 if quick else 10**6
+    configs = [(n, 0) for n in sizes] + [(deferred_pool, d) for d in deferrals if d]
+    rounds, per_round = (3, 2000) if quick else (10, 10000)
+    shm_dir = tempfile.mkdtemp(prefix="kvsidecar-scaling-", dir="/dev/shm")
+    agents = {}
+    try:
+        for n, d in configs:
+            agent = KVSidecarAgent(
+                "bench",
+                "m",
+                shm_dir=shm_dir,
+                device="cpu",
+                segment_name=f"kvsidecar.scaling.{n}.{d}.{os.getpid()}",
+            )
+            for p in _pools(n, d):
+                agent.register_pool(p)
+            agents[(n, d)] = agent
+        overhead = timer_overhead_ns()
+        samples: dict[tuple[int, int], list[float]] = {k: [] for k in agents}
+        for _ in range(rounds):
+            for key, agent in agents.items():
+                samples[key] += time_calls(lambda a=agent: a.step(1, 0), per_round, overhead)
+    finally:
+        for agent in agents.values():
+            agent.close()
+        os.rmdir(shm_dir)
+    base = summarize(samples[(sizes[0], 0)])["median_ns"]
+    points = []
+    for (n, d), s in samples.items():
+        st = summarize(s)
+        points.append(
+            {"blocks": n, "deferred_requests": d, **st, "ratio_to_smallest": st["median_ns"] / base}
+        )
+    return {"points": points, "max_ratio": max(p["ratio_to_smallest"] for p in points)}

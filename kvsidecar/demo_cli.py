@@ -1,0 +1,314 @@
+"""``kvsidecar demo``: a real tiny engine (or a prefill/decode pair) plus the daemon.
+
+Runs ``python -m kvsidecar.agent.demo`` (needs torch: the ``agent`` extra) and
+``python -m kvsidecar serve`` as child processes on a private shm directory, prints where to
+look, and stops everything on Ctrl-C, SIGTERM or ``--duration``. This module never imports
+torch: the engines do, in their own processes.
+
+Each child runs in its own process group (so one signal reaches a whole engine tree) and
+gets SIGTERM from the kernel if this process dies without cleaning up (PR_SET_PDEATHSIG).
+``KVSIDECAR_*`` variables are not passed on: the demo must not pick up a real deployment's
+settings (segment names, shm directory) and collide with real engines.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import importlib.util
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+
+import click
+
+DEFAULT_LISTEN = "127.0.0.1:9400"
+STOP_GRACE_S = 10.0  # engines close their agents (unlink segments) within this
+
+
+def split_address(addr: str) -> tuple[str, int]:
+    """``host:port``, ``:port`` or ``[v6]:port`` -> (host, port); host "" = every address."""
+    host, sep, port = addr.rpartition(":")
+    if not sep or not port.isdigit():
+        raise click.BadParameter(f"{addr!r}: expected HOST:PORT", param_hint="--web.listen-address")
+    return host.strip("[]"), int(port)
+
+
+def port_free(host: str, port: int) -> bool:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        # Like the daemon's server: a TIME_WAIT leftover does not make the port busy.
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str) -> int:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def url_host(host: str) -> str:
+    if host in ("", "0.0.0.0", "::"):
+        return "localhost"
+    return f"[{host}]" if ":" in host else host
+
+
+def tls_configured(web_config_file: str | None) -> bool:
+    if not web_config_file:
+        return False
+    try:
+        import yaml
+
+        with open(web_config_file) as f:
+            return bool((yaml.safe_load(f) or {}).get("tls_server_config"))
+    except (OSError, ValueError, AttributeError, ImportError):
+        return False  # the daemon reports a bad file itself
+
+
+def _child_setup() -> Callable[[], None]:
+    """preexec_fn: own process group, and SIGTERM when this process dies (Linux)."""
+    prctl = None
+    if sys.platform.startswith("linux"):
+        with contextlib.suppress(OSError, AttributeError):
+            prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
+    parent = os.getpid()
+
+    def setup() -> None:
+        os.setpgid(0, 0)
+        if prctl is not None:
+            prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
+            if os.getppid() != parent:
+                os._exit(1)
+
+    return setup
+
+
+def clean_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if not k.startswith("KVSIDECAR_")}
+
+
+class Child:
+    def __init__(self, name: str, argv: list[str]) -> None:
+        self.name = name
+        self.proc = subprocess.Popen(
+            argv, env=clean_env(), preexec_fn=_child_setup(), stdin=subprocess.DEVNULL
+        )
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def signal_group(self, sig: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, sig)  # the child leads its own group
+
+
+def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> list[str]:
+    """SIGTERM every child's process group, wait, SIGKILL what is left; returns those."""
+    for c in children:
+        c.signal_group(signal.SIGTERM)
+    deadline = time.monotonic() + grace
+    killed = []
+    for c in children:
+        try:
+            c.proc.wait(max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            killed.append(c.name)
+    for c in children:
+        c.signal_group(signal.SIGKILL)  # also reaps a group member that outlived its leader
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            c.proc.wait(5)
+    return killed
+
+
+def wait_listening(
+    host: str, port: int, child: Child, stop: threading.Event, timeout: float = 30.0
+) -> bool:
+    deadline = time.monotonic() + timeout
+    target = "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)
+    while time.monotonic() < deadline and child.proc.poll() is None and not stop.is_set():
+        with contextlib.suppress(OSError), socket.create_connection((target, port), timeout=0.5):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@click.command()
+@click.option("--pd/--single", default=True, show_default=True,
+              help="A prefill + decode engine pair with KV transfer, or one engine.")
+@click.option("--rate", type=click.FloatRange(0, min_open=True), default=10.0,
+              show_default=True, help="Mean request arrivals per second (Poisson).")
+@click.option("--transfer-delay", type=click.FloatRange(0), default=0.5, show_default=True,
+              metavar="SEC", help="P/D: decode waits SEC before pulling a request's KV "
+              "(the prefill blocks stay deferred meanwhile).")
+@click.option("--max-requests", type=click.IntRange(0), default=0, show_default=True,
+              help="Stop arrivals after N requests (0 = never); engines then idle.")
+@click.option("--stop-arrivals-after", type=click.FloatRange(0), default=0.0, metavar="SEC",
+              help="Stop arrivals after SEC seconds (0 = never).")
+@click.option("--duration", type=click.FloatRange(0), default=0.0, metavar="SEC",
+              help="Stop everything after SEC seconds (0 = until Ctrl-C).")
+@click.option("--seed", type=int, default=0, show_default=True, help="Weights and requests.")
+@click.option("--num-blocks", type=click.IntRange(16), default=64, show_default=True,
+              help="KV blocks per engine pool (small: pressure, evictions).")
+@click.option("--step-ms", type=click.FloatRange(0), default=10.0, show_default=True,
+              help="Pad each engine step to this many ms (a GPU-like pace).")
+@click.option("--report-interval", type=click.FloatRange(0), default=10.0, show_default=True,
+              metavar="SEC", help="Engine status line every SEC (0 = none).")
+@click.option("--engine-arg", "engine_args", multiple=True, metavar="ARG",
+              help="Extra argument for `python -m kvsidecar.agent.demo` (repeatable).")
+@click.option("--shm-dir", default=None,
+              help="Segment directory. Default: a fresh private one under /dev/shm, removed "
+              "at exit, so the demo never meets real engines.")
+@click.option("--web.listen-address", "listen_addresses", multiple=True,
+              help=f"Daemon address (repeatable). Default {DEFAULT_LISTEN}, or a free port "
+              "if that one is taken.")
+@click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False),
+              default=None, help="Daemon: exporter-toolkit web config (TLS, basic auth).")
+@click.option("--web.telemetry-path", "telemetry_path", default="/metrics", show_default=True,
+              help="Daemon: path of the metrics endpoint.")
+@click.option("--web.max-requests", "web_max_requests", type=click.IntRange(0), default=None,
+              help="Daemon: concurrent HTTP requests before 503.")
+@click.option("--poll-interval", type=click.FloatRange(0.01, 60), default=None,
+              help="Daemon: seconds between polls.")
+@click.option("--stale-after", type=click.FloatRange(0.05, 3600), default=None,
+              help="Daemon: heartbeat age after which a segment is stale.")
+@click.option("--prefix", default=None, help="Daemon: only segments starting with this.")
+@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
+              default="warning", show_default=True, help="Daemon log level.")
+def demo(
+    pd: bool,
+    rate: float,
+    transfer_delay: float,
+    max_requests: int,
+    stop_arrivals_after: float,
+    duration: float,
+    seed: int,
+    num_blocks: int,
+    step_ms: float,
+    report_interval: float,
+    engine_args: tuple[str, ...],
+    shm_dir: str | None,
+    listen_addresses: tuple[str, ...],
+    web_config_file: str | None,
+    telemetry_path: str,
+    web_max_requests: int | None,
+    poll_interval: float | None,
+    stale_after: float | None,
+    prefix: str | None,
+    log_level: str,
+) -> None:
+    """Run a tiny real engine (default: a P/D pair) and the daemon; Ctrl-C stops all."""
+    if importlib.util.find_spec("torch") is None:
+        raise click.ClickException(
+            "the demo engine needs torch: pip install 'kvsidecar[agent]' (the daemon does not)"
+        )
+    addresses = list(listen_addresses)
+    if not addresses:
+        host, port = split_address(DEFAULT_LISTEN)
+        if not port_free(host, port):
+            new = free_port(host)
+            click.echo(f"kvsidecar demo: {DEFAULT_LISTEN} is in use; using port {new}", err=True)
+            port = new
+        addresses = [f"{host}:{port}"]
+    host, port = split_address(addresses[0])
+
+    private = shm_dir is None
+    if private:
+        base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+        shm_dir = tempfile.mkdtemp(prefix="kvsidecar-demo-", dir=base)
+    elif not os.path.isdir(shm_dir):
+        raise click.BadParameter(f"{shm_dir} is not a directory", param_hint="--shm-dir")
+
+    serve = [sys.executable, "-m", "kvsidecar", "serve", "--shm-dir", shm_dir,
+             "--web.telemetry-path", telemetry_path, "--log-level", log_level]
+    for a in addresses:
+        serve += ["--web.listen-address", a]
+    for flag, val in (("--web.config.file", web_config_file),
+                      ("--web.max-requests", web_max_requests),
+                      ("--poll-interval", poll_interval), ("--stale-after", stale_after),
+                      ("--prefix", prefix)):
+        if val is not None:
+            serve += [flag, str(val)]
+    engine = [sys.executable, "-m", "kvsidecar.agent.demo", "--shm-dir", shm_dir,
+              "--rate", str(rate), "--seed", str(seed), "--num-blocks", str(num_blocks),
+              "--step-ms", str(step_ms), "--report-interval", str(report_interval),
+              "--max-requests", str(max_requests),
+              "--stop-arrivals-after", str(stop_arrivals_after)]
+    if pd:
+        engine += ["--pd", "--transfer-delay", str(transfer_delay)]
+    engine += list(engine_args)
+
+    stop = threading.Event()
+    received: list[str] = []
+
+    def on_signal(signum: int, _frame: object) -> None:
+        received.append(signal.Signals(signum).name)
+        stop.set()
+
+    # Before any child exists: a signal from here on is handled, never fatal.
+    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    children: list[Child] = []
+    rc = 0
+    try:
+        children.append(Child("daemon", serve))
+        children.append(Child("engine", engine))
+        daemon = children[0]
+        if not wait_listening(host, port, daemon, stop) and not stop.is_set():
+            raise click.ClickException(f"the daemon did not start listening on {addresses[0]}")
+        scheme = "https" if tls_configured(web_config_file) else "http"
+        base_url = f"{scheme}://{url_host(host)}:{port}"
+        dump_cmd = "kvsidecar dump --watch" + ("" if shm_dir == "/dev/shm" else
+                                              f" --shm-dir {shm_dir}")
+        mode = (f"P/D pair (prefill + decode engines, transfer delay {transfer_delay:g}s)"
+                if pd else "one engine (prefill + decode)")
+        click.echo(
+            f"kvsidecar demo: {mode}, {rate:g} req/s\n"
+            f"  metrics:   {base_url}{telemetry_path}\n"
+            f"  snapshots: {base_url}/api/v1/snapshots\n"
+            f"  watch:     {dump_cmd}\n"
+            f"  segments:  {shm_dir}" + (" (private, removed at exit)" if private else "") + "\n"
+            f"  pids:      daemon {daemon.pid}, engine {children[1].pid}\n"
+            + (f"Stopping after {duration:g}s" if duration else "Ctrl-C to stop") + ".",
+        )
+        sys.stdout.flush()
+        deadline = time.monotonic() + duration if duration else None
+        while not stop.wait(0.2):
+            if deadline is not None and time.monotonic() >= deadline:
+                break
+            dead = [c for c in children if c.proc.poll() is not None]
+            if dead:
+                c = dead[0]
+                click.echo(f"kvsidecar demo: the {c.name} exited ({c.proc.returncode}); "
+                           "stopping", err=True)
+                rc = 1
+                break
+    finally:
+        why = received[0] if received else ("duration" if rc == 0 else "error")
+        if children:
+            click.echo(f"kvsidecar demo: stopping ({why})", err=True)
+        killed = stop_children(children)
+        if killed:
+            click.echo(f"kvsidecar demo: killed {', '.join(killed)} (no clean exit)", err=True)
+            rc = rc or 1
+        for s, h in old.items():
+            signal.signal(s, h)
+        leftovers = sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []
+        if leftovers:  # an engine that did not close its agent
+            click.echo(f"kvsidecar demo: segments left in {shm_dir}: {' '.join(leftovers)}",
+                       err=True)
+        if private:
+            shutil.rmtree(shm_dir, ignore_errors=True)
+    sys.exit(rc)
