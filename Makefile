@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: run test lint bench bench-quick clean
+.PHONY: run test lint bench bench-quick fuzz soak clean
 
 $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -32,3 +32,11 @@ bench-quick: $(STAMP)
 
 clean:
 	rm -rf $(VENV) build *.egg-info kvsidecar/protocol/*.so bench-results
+
+# The full fuzz run (100,000 inputs each for the segment reader and the payload decoder).
+fuzz: $(STAMP)
+	KVSIDECAR_FUZZ_CASES=100000 $(BIN)/python -m pytest tests/protocol/test_fuzz.py -q -s
+
+# The 10-minute soak (writer at 1 kHz, scrapes at 20 Hz); not part of `make test`.
+soak: $(STAMP)
+	$(BIN)/kvsidecar bench soak --seconds 600 --out bench-results

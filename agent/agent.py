@@ -176,6 +176,12 @@ class KVSidecarAgent:
             r.device_total_bytes, r.device_free_bytes = self._memory.sample()
             r.initialized = True
             writer.publish(self._snapshot)
+        except OSError as e:
+            # The segment itself is broken (truncated under us): stop touching it.
+            self.runtime.publish_errors_total += 1
+            self.enabled, self.error = False, str(e)
+            self._writer = None
+            log.warning("kvsidecar agent disabled, the engine continues without it: %s", e)
         except Exception as e:
             self.runtime.publish_errors_total += 1
             self._log_once(type(e).__name__, f"kvsidecar publish failed (engine unaffected): {e}")

@@ -147,47 +147,133 @@ def wait_listening(
 
 
 @click.command()
-@click.option("--pd/--single", default=True, show_default=True,
-              help="A prefill + decode engine pair with KV transfer, or one engine.")
-@click.option("--rate", type=click.FloatRange(0, min_open=True), default=10.0,
-              show_default=True, help="Mean request arrivals per second (Poisson).")
-@click.option("--transfer-delay", type=click.FloatRange(0), default=0.5, show_default=True,
-              metavar="SEC", help="P/D: decode waits SEC before pulling a request's KV "
-              "(the prefill blocks stay deferred meanwhile).")
-@click.option("--max-requests", type=click.IntRange(0), default=0, show_default=True,
-              help="Stop arrivals after N requests (0 = never); engines then idle.")
-@click.option("--stop-arrivals-after", type=click.FloatRange(0), default=0.0, metavar="SEC",
-              help="Stop arrivals after SEC seconds (0 = never).")
-@click.option("--duration", type=click.FloatRange(0), default=0.0, metavar="SEC",
-              help="Stop everything after SEC seconds (0 = until Ctrl-C).")
+@click.option(
+    "--pd/--single",
+    default=True,
+    show_default=True,
+    help="A prefill + decode engine pair with KV transfer, or one engine.",
+)
+@click.option(
+    "--rate",
+    type=click.FloatRange(0, min_open=True),
+    default=10.0,
+    show_default=True,
+    help="Mean request arrivals per second (Poisson).",
+)
+@click.option(
+    "--transfer-delay",
+    type=click.FloatRange(0),
+    default=0.5,
+    show_default=True,
+    metavar="SEC",
+    help="P/D: decode waits SEC before pulling a request's KV "
+    "(the prefill blocks stay deferred meanwhile).",
+)
+@click.option(
+    "--max-requests",
+    type=click.IntRange(0),
+    default=0,
+    show_default=True,
+    help="Stop arrivals after N requests (0 = never); engines then idle.",
+)
+@click.option(
+    "--stop-arrivals-after",
+    type=click.FloatRange(0),
+    default=0.0,
+    metavar="SEC",
+    help="Stop arrivals after SEC seconds (0 = never).",
+)
+@click.option(
+    "--duration",
+    type=click.FloatRange(0),
+    default=0.0,
+    metavar="SEC",
+    help="Stop everything after SEC seconds (0 = until Ctrl-C).",
+)
 @click.option("--seed", type=int, default=0, show_default=True, help="Weights and requests.")
-@click.option("--num-blocks", type=click.IntRange(16), default=64, show_default=True,
-              help="KV blocks per engine pool (small: pressure, evictions).")
-@click.option("--step-ms", type=click.FloatRange(0), default=10.0, show_default=True,
-              help="Pad each engine step to this many ms (a GPU-like pace).")
-@click.option("--report-interval", type=click.FloatRange(0), default=10.0, show_default=True,
-              metavar="SEC", help="Engine status line every SEC (0 = none).")
-@click.option("--engine-arg", "engine_args", multiple=True, metavar="ARG",
-              help="Extra argument for `python -m kvsidecar.agent.demo` (repeatable).")
-@click.option("--shm-dir", default=None,
-              help="Segment directory. Default: a fresh private one under /dev/shm, removed "
-              "at exit, so the demo never meets real engines.")
-@click.option("--web.listen-address", "listen_addresses", multiple=True,
-              help=f"Daemon address (repeatable). Default {DEFAULT_LISTEN}, or a free port "
-              "if that one is taken.")
-@click.option("--web.config.file", "web_config_file", type=click.Path(dir_okay=False),
-              default=None, help="Daemon: exporter-toolkit web config (TLS, basic auth).")
-@click.option("--web.telemetry-path", "telemetry_path", default="/metrics", show_default=True,
-              help="Daemon: path of the metrics endpoint.")
-@click.option("--web.max-requests", "web_max_requests", type=click.IntRange(0), default=None,
-              help="Daemon: concurrent HTTP requests before 503.")
-@click.option("--poll-interval", type=click.FloatRange(0.01, 60), default=None,
-              help="Daemon: seconds between polls.")
-@click.option("--stale-after", type=click.FloatRange(0.05, 3600), default=None,
-              help="Daemon: heartbeat age after which a segment is stale.")
+@click.option(
+    "--num-blocks",
+    type=click.IntRange(16),
+    default=64,
+    show_default=True,
+    help="KV blocks per engine pool (small: pressure, evictions).",
+)
+@click.option(
+    "--step-ms",
+    type=click.FloatRange(0),
+    default=10.0,
+    show_default=True,
+    help="Pad each engine step to this many ms (a GPU-like pace).",
+)
+@click.option(
+    "--report-interval",
+    type=click.FloatRange(0),
+    default=10.0,
+    show_default=True,
+    metavar="SEC",
+    help="Engine status line every SEC (0 = none).",
+)
+@click.option(
+    "--engine-arg",
+    "engine_args",
+    multiple=True,
+    metavar="ARG",
+    help="Extra argument for `python -m kvsidecar.agent.demo` (repeatable).",
+)
+@click.option(
+    "--shm-dir",
+    default=None,
+    help="Segment directory. Default: a fresh private one under /dev/shm, removed "
+    "at exit, so the demo never meets real engines.",
+)
+@click.option(
+    "--web.listen-address",
+    "listen_addresses",
+    multiple=True,
+    help=f"Daemon address (repeatable). Default {DEFAULT_LISTEN}, or a free port "
+    "if that one is taken.",
+)
+@click.option(
+    "--web.config.file",
+    "web_config_file",
+    type=click.Path(dir_okay=False),
+    default=None,
+    help="Daemon: exporter-toolkit web config (TLS, basic auth).",
+)
+@click.option(
+    "--web.telemetry-path",
+    "telemetry_path",
+    default="/metrics",
+    show_default=True,
+    help="Daemon: path of the metrics endpoint.",
+)
+@click.option(
+    "--web.max-requests",
+    "web_max_requests",
+    type=click.IntRange(0),
+    default=None,
+    help="Daemon: concurrent HTTP requests before 503.",
+)
+@click.option(
+    "--poll-interval",
+    type=click.FloatRange(0.01, 60),
+    default=None,
+    help="Daemon: seconds between polls.",
+)
+@click.option(
+    "--stale-after",
+    type=click.FloatRange(0.05, 3600),
+    default=None,
+    help="Daemon: heartbeat age after which a segment is stale.",
+)
 @click.option("--prefix", default=None, help="Daemon: only segments starting with this.")
-@click.option("--log-level", type=click.Choice(["debug", "info", "warning", "error"]),
-              default="warning", show_default=True, help="Daemon log level.")
+@click.option(
+    "--log-level",
+    type=click.Choice(["debug", "info", "warning", "error"]),
+    default="warning",
+    show_default=True,
+    help="Daemon log level.",
+)
 def demo(
     pd: bool,
     rate: float,
@@ -232,21 +318,50 @@ def demo(
     elif not os.path.isdir(shm_dir):
         raise click.BadParameter(f"{shm_dir} is not a directory", param_hint="--shm-dir")
 
-    serve = [sys.executable, "-m", "kvsidecar", "serve", "--shm-dir", shm_dir,
-             "--web.telemetry-path", telemetry_path, "--log-level", log_level]
+    serve = [
+        sys.executable,
+        "-m",
+        "kvsidecar",
+        "serve",
+        "--shm-dir",
+        shm_dir,
+        "--web.telemetry-path",
+        telemetry_path,
+        "--log-level",
+        log_level,
+    ]
     for a in addresses:
         serve += ["--web.listen-address", a]
-    for flag, val in (("--web.config.file", web_config_file),
-                      ("--web.max-requests", web_max_requests),
-                      ("--poll-interval", poll_interval), ("--stale-after", stale_after),
-                      ("--prefix", prefix)):
+    for flag, val in (
+        ("--web.config.file", web_config_file),
+        ("--web.max-requests", web_max_requests),
+        ("--poll-interval", poll_interval),
+        ("--stale-after", stale_after),
+        ("--prefix", prefix),
+    ):
         if val is not None:
             serve += [flag, str(val)]
-    engine = [sys.executable, "-m", "kvsidecar.agent.demo", "--shm-dir", shm_dir,
-              "--rate", str(rate), "--seed", str(seed), "--num-blocks", str(num_blocks),
-              "--step-ms", str(step_ms), "--report-interval", str(report_interval),
-              "--max-requests", str(max_requests),
-              "--stop-arrivals-after", str(stop_arrivals_after)]
+    engine = [
+        sys.executable,
+        "-m",
+        "kvsidecar.agent.demo",
+        "--shm-dir",
+        shm_dir,
+        "--rate",
+        str(rate),
+        "--seed",
+        str(seed),
+        "--num-blocks",
+        str(num_blocks),
+        "--step-ms",
+        str(step_ms),
+        "--report-interval",
+        str(report_interval),
+        "--max-requests",
+        str(max_requests),
+        "--stop-arrivals-after",
+        str(stop_arrivals_after),
+    ]
     if pd:
         engine += ["--pd", "--transfer-delay", str(transfer_delay)]
     engine += list(engine_args)
@@ -270,10 +385,14 @@ def demo(
             raise click.ClickException(f"the daemon did not start listening on {addresses[0]}")
         scheme = "https" if tls_configured(web_config_file) else "http"
         base_url = f"{scheme}://{url_host(host)}:{port}"
-        dump_cmd = "kvsidecar dump --watch" + ("" if shm_dir == "/dev/shm" else
-                                              f" --shm-dir {shm_dir}")
-        mode = (f"P/D pair (prefill + decode engines, transfer delay {transfer_delay:g}s)"
-                if pd else "one engine (prefill + decode)")
+        dump_cmd = "kvsidecar dump --watch" + (
+            "" if shm_dir == "/dev/shm" else f" --shm-dir {shm_dir}"
+        )
+        mode = (
+            f"P/D pair (prefill + decode engines, transfer delay {transfer_delay:g}s)"
+            if pd
+            else "one engine (prefill + decode)"
+        )
         click.echo(
             f"kvsidecar demo: {mode}, {rate:g} req/s\n"
             f"  metrics:   {base_url}{telemetry_path}\n"
@@ -281,7 +400,8 @@ def demo(
             f"  watch:     {dump_cmd}\n"
             f"  segments:  {shm_dir}" + (" (private, removed at exit)" if private else "") + "\n"
             f"  pids:      daemon {daemon.pid}, engine {children[1].pid}\n"
-            + (f"Stopping after {duration:g}s" if duration else "Ctrl-C to stop") + ".",
+            + (f"Stopping after {duration:g}s" if duration else "Ctrl-C to stop")
+            + ".",
         )
         sys.stdout.flush()
         deadline = time.monotonic() + duration if duration else None
@@ -291,8 +411,9 @@ def demo(
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
                 c = dead[0]
-                click.echo(f"kvsidecar demo: the {c.name} exited ({c.proc.returncode}); "
-                           "stopping", err=True)
+                click.echo(
+                    f"kvsidecar demo: the {c.name} exited ({c.proc.returncode}); stopping", err=True
+                )
                 rc = 1
                 break
     finally:
@@ -307,8 +428,9 @@ def demo(
             signal.signal(s, h)
         leftovers = sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []
         if leftovers:  # an engine that did not close its agent
-            click.echo(f"kvsidecar demo: segments left in {shm_dir}: {' '.join(leftovers)}",
-                       err=True)
+            click.echo(
+                f"kvsidecar demo: segments left in {shm_dir}: {' '.join(leftovers)}", err=True
+            )
         if private:
             shutil.rmtree(shm_dir, ignore_errors=True)
     sys.exit(rc)

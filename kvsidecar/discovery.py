@@ -9,13 +9,15 @@ import stat
 from kvsidecar.protocol.names import InvalidName, validate_name
 
 
-def list_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) -> list[str]:
-    """Names of plain files in shm_dir that look like segments, sorted.
+def list_segments(
+    shm_dir: str, prefix: str = "", pattern: str | None = None, *, regular_only: bool = True
+) -> list[str]:
+    """Names of entries in shm_dir that look like segments, sorted.
 
     Uses lstat (never follows symlinks) and skips dot-files, so writers'
-    temporary ``.<name>.tmp`` files are never picked up half-made. Symlinks and
-    other non-regular entries are listed only if asked for by exact pattern, so
-    the reader can refuse them with a message instead of ignoring them silently.
+    temporary ``.<name>.tmp`` files are never picked up half-made. With
+    ``regular_only=False`` symlinks, FIFOs and the like are listed too, so the
+    daemon can refuse them with a message instead of ignoring them silently.
     """
     try:
         entries = list(os.scandir(shm_dir))
@@ -33,6 +35,6 @@ def list_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) ->
             mode = entry.stat(follow_symlinks=False).st_mode
         except (InvalidName, OSError):
             continue
-        if stat.S_ISREG(mode) or pattern == name:
+        if stat.S_ISREG(mode) or not regular_only or pattern == name:
             names.append(name)
     return sorted(names)

@@ -35,6 +35,8 @@ def _targets(
         allowed_uids=allowed,
     )
     ts.poll_all()
+    for name, why in sorted(ts.refused.items()):
+        click.echo(f"kvsidecar: refused {name}: {why}", err=True)
     return ts
 
 

@@ -123,6 +123,7 @@ class Daemon:
         return {
             "last_poll_duration_s": self.targets.last_poll_duration_s,
             "polls_total": self.targets.polls_total,
+            "refused": len(self.targets.refused),
         }
 
     def _http_stats(self) -> dict[str, Any]:

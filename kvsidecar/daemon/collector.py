@@ -190,8 +190,11 @@ class SnapshotCollector:
             poll.add_metric([], stats["last_poll_duration_s"])
             polls = _family(defs["kvsidecar_polls_total"], ())
             polls.add_metric([], stats["polls_total"])
+            refused = _family(defs["kvsidecar_refused_segments"], ())
+            refused.add_metric([], stats.get("refused", 0))
             yield poll
             yield polls
+            yield refused
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
 

@@ -469,6 +469,13 @@ SOURCE: tuple[MetricDef, ...] = (
 )
 
 DAEMON: tuple[MetricDef, ...] = (
+    MetricDef(
+        "kvsidecar_refused_segments",
+        GAUGE,
+        "",
+        "Files in the shm directory matching the prefix that the daemon refuses to read "
+        "(symlink, FIFO, foreign owner, newer major version); the log says why.",
+    ),
     MetricDef("kvsidecar_sources", GAUGE, "", "Segments currently followed."),
     MetricDef("kvsidecar_build_info", INFO, "", "kvsidecar version (label version); value 1."),
     MetricDef(

@@ -68,13 +68,13 @@ class Target:
         self.view = TargetView(name=name)
         self._incarnation = 0
 
-    def poll(self) -> TargetView:
+    def poll(self, log_transitions: bool = True) -> TargetView:
         """Attach if needed, read, classify. Never raises."""
         try:
             view = self._poll()
         except Exception as e:  # a bug must not take the daemon down with it
             view = replace(self.view, state=CORRUPT, error=f"internal error: {e!r}")
-        if view.state != self.view.state:
+        if log_transitions and view.state != self.view.state:
             level = logging.INFO if view.state == UP else logging.WARNING
             log.log(level, "%s: %s -> %s %s", self.name, self.view.state, view.state, view.error)
         self.view = view
@@ -166,6 +166,7 @@ class TargetSet:
         self.rediscover_interval = rediscover_interval
         self.allowed_uids = allowed_uids
         self.targets: dict[str, Target] = {}
+        self.refused: dict[str, str] = {}  # name -> why, for discovered files we will not read
         self.version = 0  # bumped on every poll cycle: invalidates rendered output
         self.last_poll_mono_ns = 0
         self.last_poll_duration_s = 0.0
@@ -178,13 +179,33 @@ class TargetSet:
     # -- discovery ------------------------------------------------------------
 
     def discover(self) -> None:
-        """Add new segments, forget segments whose file is gone (explicit names are kept)."""
-        found = set(self.explicit) | set(list_segments(self.shm_dir, self.prefix, self.pattern))
+        """Add new segments, forget segments whose file is gone (explicit names are kept).
+
+        A discovered file we refuse (symlink, FIFO, foreign owner, newer major
+        version) does not become a target: anyone who can write the shm
+        directory could otherwise mint series. It is logged once per reason,
+        counted in ``refused``, and looked at again at the next discovery.
+        """
+        listed = list_segments(self.shm_dir, self.prefix, self.pattern, regular_only=False)
+        found = set(self.explicit) | set(listed)
+        refused: dict[str, str] = {}
         for name in sorted(found - self.targets.keys()):
-            self.targets[name] = Target(
+            target = Target(
                 name, self.shm_dir, stale_after=self.stale_after, allowed_uids=self.allowed_uids
             )
+            view = target.poll(log_transitions=False)
+            if view.state == REFUSED and name not in self.explicit:
+                target.close()
+                refused[name] = view.error
+                if self.refused.get(name) != view.error:
+                    log.warning("refusing %s: %s", name, view.error)
+                continue
+            if view.state != NOT_READY:
+                log.info("%s: found, %s %s", name, view.state, view.error)
+            self.targets[name] = target
+        self.refused = refused
         for name in list(self.targets.keys() - found):
+            log.info("%s: gone, forgetting it", name)
             self.targets.pop(name).close()
         self._last_discovery = time.monotonic()
 

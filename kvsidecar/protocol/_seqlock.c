@@ -125,6 +125,9 @@ static int slot_geometry(const uint8_t *base, Py_ssize_t len, uint32_t *off, uin
 
 /* ------------------------------- writer -------------------------------- */
 
+static _Thread_local sigjmp_buf *guard_jb = NULL;
+static void install_guard(void);
+
 static PyObject *py_publish(PyObject *self, PyObject *args) {
     Py_buffer seg, payload;
     (void)self;
@@ -132,11 +135,23 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
     uint8_t *base = seg.buf;
     uint32_t off, stride, cap;
     PyObject *result = NULL;
+    /* Someone with write access (only the owner: segments are 0640) may truncate the
+     * file under us; touching lost pages would SIGBUS and kill the engine. Guarded,
+     * the publish fails with OSError instead and the agent disables itself. */
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_jb = NULL;
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        goto done;
+    }
+    guard_jb = &jb;
     if (slot_geometry(base, seg.len, &off, &stride, &cap) != 0) {
+        guard_jb = NULL;
         PyErr_SetString(PyExc_ValueError, "segment header has an invalid slot layout");
         goto done;
     }
     if (payload.len > (Py_ssize_t)cap) {
+        guard_jb = NULL;
         PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds slot capacity %u",
                      payload.len, cap);
         goto done;
@@ -160,6 +175,7 @@ static PyObject *py_publish(PyObject *self, PyObject *args) {
                      __ATOMIC_RELAXED);
     __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
                      __ATOMIC_RELAXED);
+    guard_jb = NULL;
     result = PyLong_FromUnsignedLongLong(k);
 done:
     PyBuffer_Release(&seg);
@@ -177,18 +193,27 @@ static PyObject *py_heartbeat(PyObject *self, PyObject *arg) {
         return NULL;
     }
     uint8_t *base = seg.buf;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_jb = NULL;
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        return NULL;
+    }
+    guard_jb = &jb;
     __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
                      __ATOMIC_RELAXED);
     __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
                      __ATOMIC_RELAXED);
+    guard_jb = NULL;
     PyBuffer_Release(&seg);
     Py_RETURN_NONE;
 }
 
 /* ----------------------------- SIGBUS guard ----------------------------- */
 
-static _Thread_local sigjmp_buf *guard_jb = NULL;
 static struct sigaction previous_sigbus;
+
 static int guard_installed = 0;
 
 static void on_sigbus(int sig, siginfo_t *info, void *uctx) {
@@ -350,6 +375,13 @@ static PyObject *py_copy_range(PyObject *self, PyObject *args) {
     return out;
 }
 
+static PyObject *py_install_sigbus_guard(PyObject *self, PyObject *unused) {
+    (void)self;
+    (void)unused;
+    install_guard();
+    Py_RETURN_NONE;
+}
+
 static PyObject *py_crc32(PyObject *self, PyObject *arg) {
     Py_buffer b;
     (void)self;
@@ -382,6 +414,8 @@ static PyMethodDef methods[] = {
     {"copy_range", py_copy_range, METH_VARARGS,
      "copy_range(segment, offset, length) -> bytes or None if the pages are gone."},
     {"crc32", py_crc32, METH_O, "crc32(data) -> int, identical to zlib.crc32."},
+    {"install_sigbus_guard", py_install_sigbus_guard, METH_NOARGS,
+     "Install the SIGBUS handler that turns faults in guarded copies into errors."},
     {"fence_acquire", py_fence_acquire, METH_NOARGS, "atomic_thread_fence(acquire)."},
     {"fence_release", py_fence_release, METH_NOARGS, "atomic_thread_fence(release)."},
     {NULL, NULL, 0, NULL},

@@ -221,6 +221,11 @@ class SegmentReader:
         if status != _seqlock.OK:
             return _status_error(status, self.path, attempts)
         header = layout.Header(raw)
+        if header.magic != layout.MAGIC or header.major != layout.LAYOUT_MAJOR:
+            # Overwritten after we attached: re-run the attach checks for the message.
+            return check_header(header, len(mm), self.path) or Corrupt(
+                f"segment {self.path}: header changed under the reader"
+            )
         try:
             snapshot = self._decoder.decode(payload)
         except (msgspec.DecodeError, msgspec.ValidationError) as e:

@@ -82,6 +82,8 @@ class SegmentWriter:
         self.total_size = total
         self.slot_capacity = slot_capacity
         self._create(directory, slot_off, slot_stride, slot_capacity, total, group)
+        # A truncation of our file by another process becomes an OSError, not a SIGBUS.
+        _seqlock.install_sigbus_guard()
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
@@ -211,7 +213,11 @@ class SegmentWriter:
         self._mm, self._fd = None, -1
         if mm is None:
             return
-        mm[layout.OFF_STATE] = layout.STATE_CLOSED
+        try:
+            if os.fstat(fd).st_size >= layout.HEADER_LEN:  # never touch truncated pages
+                mm[layout.OFF_STATE] = layout.STATE_CLOSED
+        except OSError:
+            pass
         if unlink and os.getpid() == self._pid:
             try:
                 if os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:

@@ -164,3 +164,17 @@ def test_runtime_deferred_is_max_over_pools_not_sum(shm_dir: str) -> None:
     assert snap.runtime.requests_deferred_free == 1
     assert [p.deferred_free_requests for p in snap.pools] == [1, 1]
     agent.close()
+
+
+def test_segment_truncated_under_the_engine_disables_not_crashes(shm_dir: str, caplog) -> None:
+    """Only the owner can truncate a 0640 segment, but even then the engine must live."""
+    agent = KVSidecarAgent("t", "m", shm_dir=shm_dir, device="cpu")
+    agent.register_pool(_pool())
+    agent.step()
+    os.truncate(agent.segment_path, 0)
+    agent.step()  # would be SIGBUS without the guard: the test process would die here
+    agent.step()
+    assert not agent.enabled and "truncated" in agent.error
+    assert agent.runtime.publish_errors_total == 1
+    assert any("agent disabled" in r.message for r in caplog.records)
+    agent.close()

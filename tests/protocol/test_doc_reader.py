@@ -21,10 +21,14 @@ def test_documented_offsets_match_layout() -> None:
 
     doc = open(os.path.join(REPO, "docs", "segment-format.md")).read()
     for off, field in [
-        (layout.OFF_MAJOR, "layout_major"), (layout.OFF_STATE, "state"),
-        (layout.OFF_INCARNATION, "incarnation"), (layout.OFF_PUBLISHED_SEQ, "published_seq"),
-        (layout.OFF_HEARTBEAT_MONO, "heartbeat_mono_ns"), (layout.OFF_SLOT_OFF, "slot_off"),
-        (layout.OFF_SLOT_CAPACITY, "slot_capacity"), (layout.OFF_DIR_CRC, "dir_crc32"),
+        (layout.OFF_MAJOR, "layout_major"),
+        (layout.OFF_STATE, "state"),
+        (layout.OFF_INCARNATION, "incarnation"),
+        (layout.OFF_PUBLISHED_SEQ, "published_seq"),
+        (layout.OFF_HEARTBEAT_MONO, "heartbeat_mono_ns"),
+        (layout.OFF_SLOT_OFF, "slot_off"),
+        (layout.OFF_SLOT_CAPACITY, "slot_capacity"),
+        (layout.OFF_DIR_CRC, "dir_crc32"),
     ]:
         assert re.search(rf"^\s+{off}\s+\d+\s+{field}\b", doc, re.M), field
 
