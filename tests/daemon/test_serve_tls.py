@@ -1,0 +1,116 @@
+"""`kvsidecar serve --web.config.file`: TLS + bcrypt basic auth end to end, with real clients."""
+
+from __future__ import annotations
+
+import base64
+import http.client
+import shutil
+import signal
+import ssl
+import subprocess
+import sys
+
+import bcrypt
+import pytest
+
+from tests.conftest import REPO
+from tests.procs import free_port, start_rank, wait_for
+
+
+def _get(port: int, path: str, ctx: ssl.SSLContext, auth: tuple[str, str] | None = None) -> int:
+    conn = http.client.HTTPSConnection("127.0.0.1", port, context=ctx, timeout=5)
+    headers = {}
+    if auth:
+        headers["Authorization"] = (
+            "Basic " + base64.b64encode(f"{auth[0]}:{auth[1]}".encode()).decode()
+        )
+    conn.request("GET", path, headers=headers)
+    status = conn.getresponse().status
+    conn.close()
+    return status
+
+
+def test_tls_and_basic_auth_through_serve(shm_dir: str, tmp_path) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl CLI not installed")
+    subprocess.run(
+        [
+            "openssl",
+            "req",
+            "-x509",
+            "-newkey",
+            "ec",
+            "-pkeyopt",
+            "ec_paramgen_curve:P-256",
+            "-nodes",
+            "-keyout",
+            str(tmp_path / "tls.key"),
+            "-out",
+            str(tmp_path / "tls.crt"),
+            "-days",
+            "2",
+            "-subj",
+            "/CN=localhost",
+            "-addext",
+            "subjectAltName=DNS:localhost,IP:127.0.0.1",
+        ],
+        check=True,
+        capture_output=True,
+    )
+    hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
+    (tmp_path / "web.yml").write_text(
+        "tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n  min_version: TLS12\n"
+        f"basic_auth_users:\n  prometheus: '{hashed}'\n"
+    )
+    writer, _ = start_rank("kvsidecar.fake.dp0.tp0.pp0", shm_dir)
+    port = free_port()
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvsidecar",
+            "serve",
+            "--shm-dir",
+            shm_dir,
+            "--web.listen-address",
+            f"127.0.0.1:{port}",
+            "--web.config.file",
+            str(tmp_path / "web.yml"),
+        ],
+        cwd=REPO,
+    )
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "tls.crt"))
+    try:
+
+        def healthy() -> bool:
+            try:
+                return _get(port, "/-/healthy", ctx) == 200
+            except OSError:
+                return False
+
+        assert wait_for(healthy, timeout=20)
+        assert _get(port, "/-/ready", ctx) == 200  # health endpoints need no credentials
+        assert _get(port, "/metrics", ctx) == 401
+        assert _get(port, "/metrics", ctx, ("prometheus", "wrong")) == 401
+        assert _get(port, "/metrics", ctx, ("prometheus", "s3cret")) == 200
+        assert _get(port, "/api/v1/snapshots", ctx, ("prometheus", "s3cret")) == 200
+        # Plain HTTP on the TLS port is not served.
+        plain = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+        try:
+            plain.request("GET", "/metrics")
+            status: int | None = plain.getresponse().status
+        except (OSError, http.client.HTTPException):
+            status = None
+        assert status != 200
+        # A TLS 1.1 client is refused by the server's minimum.
+        old = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+        old.load_verify_locations(str(tmp_path / "tls.crt"))
+        with pytest.warns(DeprecationWarning):  # Python itself frowns on TLS 1.1
+            old.minimum_version = old.maximum_version = ssl.TLSVersion.TLSv1_1
+        with pytest.raises((ssl.SSLError, OSError)):
+            _get(port, "/-/healthy", old)
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(10)
+        writer.kill()
+        writer.wait()
