@@ -11,7 +11,8 @@ rounds so host noise hits each alike:
   same series, gauges set every step, scraped at 20 Hz over HTTP;
 * ``locked_snapshot``: kvcached style: each step mutates the allocator under a
   lock, and a thread takes that lock 20 times a second to build a snapshot of
-  every field.
+  every field, querying device memory twice per pool while holding it (as
+  kvcached's ``available_size()`` does with cudaMemGetInfo; /proc/meminfo here).
 
 Outside its rounds each observer is frozen (SIGSTOP for processes, an Event for
 threads), so it cannot leak cost into the other conditions.
@@ -31,7 +32,7 @@ from typing import Any
 
 import torch
 from kvsidecar.agent.agent import KVSidecarAgent
-from kvsidecar.agent.pool import KVBlockPool
+from kvsidecar.agent.pool import KVBlockPool, host_memory
 
 from kvsidecar.bench.fleet import free_port
 from kvsidecar.bench.report import percentile
@@ -119,10 +120,16 @@ class Engine:
 
 
 def _locked_snapshot(engine: Engine) -> dict[str, Any]:
-    with engine.lock:  # kvcached: every field read under the manager lock
-        return {
-            p.stats.pool_name: {f: getattr(p.stats, f) for f in POOL_FIELDS} for p in engine.pools
-        }
+    # kvcached: every field read under the manager lock, and available_size() queries
+    # device memory (cudaMemGetInfo, twice per pool per snapshot) while holding it. On a
+    # CPU host the memory query is /proc/meminfo, the same figure our agent samples.
+    with engine.lock:
+        out = {}
+        for p in engine.pools:
+            host_memory()
+            host_memory()
+            out[p.stats.pool_name] = {f: getattr(p.stats, f) for f in POOL_FIELDS}
+        return out
 
 
 def _poller(engine: Engine, active: threading.Event, stop: threading.Event) -> None:

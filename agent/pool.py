@@ -704,7 +704,7 @@ class KVBlockPool:
 # ---------------------------------------------------------------------- device memory
 
 
-def _host_memory() -> tuple[int, int]:
+def host_memory() -> tuple[int, int]:
     """(MemTotal, MemAvailable) bytes from /proc/meminfo, sysconf as the fallback."""
     try:
         total = avail = None
@@ -749,7 +749,7 @@ class DeviceMemorySampler:
             free, total = torch.cuda.mem_get_info(self.device)
             self._value = (int(total), int(free))
         else:
-            self._value = _host_memory()
+            self._value = host_memory()
         self._at = now
         self.reads += 1
         return self._value
