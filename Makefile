@@ -14,7 +14,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/kvsidecar selfcheck $(ARGS)
+	$(BIN)/kvsidecar demo $(ARGS)
 
 test: $(STAMP)
 	$(BIN)/ruff check .

@@ -31,7 +31,6 @@ from collections.abc import Mapping
 
 from kvsidecar.agent.adapters import PoolSource
 from kvsidecar.agent.pool import DeviceMemorySampler, default_device
-
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR, default_segment_name
 from kvsidecar.protocol.schema import ROLES, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter

@@ -31,9 +31,9 @@ import time
 from typing import Any
 
 import torch
+
 from kvsidecar.agent.agent import KVSidecarAgent
 from kvsidecar.agent.pool import KVBlockPool, host_memory
-
 from kvsidecar.bench.fleet import free_port
 from kvsidecar.bench.report import percentile
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot

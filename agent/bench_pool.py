@@ -6,6 +6,7 @@ import statistics
 import time
 
 import torch
+
 from kvsidecar.agent.pool import KVBlockPool
 
 

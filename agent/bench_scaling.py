@@ -13,7 +13,6 @@ from typing import Any
 
 from kvsidecar.agent.agent import KVSidecarAgent
 from kvsidecar.agent.bench_agent import _tiny_pool
-
 from kvsidecar.bench.report import summarize, time_calls, timer_overhead_ns
 
 

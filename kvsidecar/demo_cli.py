@@ -23,7 +23,6 @@ import socket
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 from collections.abc import Callable
 
@@ -117,12 +116,12 @@ class Child:
 
 
 def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> list[str]:
-    """SIGTERM every child's process group, wait, SIGKILL what is left; returns those."""
-    for c in children:
-        c.signal_group(signal.SIGTERM)
+    """SIGTERM each child's process group in order (the daemon first, so it does not log
+    the engines' segments vanishing), wait, SIGKILL what is left; returns those."""
     deadline = time.monotonic() + grace
     killed = []
     for c in children:
+        c.signal_group(signal.SIGTERM)
         try:
             c.proc.wait(max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
@@ -134,8 +133,27 @@ def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> list[st
     return killed
 
 
+class StopFlag:
+    """Set from a signal handler. Not a threading.Event: a second signal (Ctrl-C twice) can
+    run its handler inside the first one's Event.set() and deadlock on the Event's lock."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        if not self._set:
+            time.sleep(timeout)
+        return self._set
+
+
 def wait_listening(
-    host: str, port: int, child: Child, stop: threading.Event, timeout: float = 30.0
+    host: str, port: int, child: Child, stop: StopFlag, timeout: float = 30.0
 ) -> bool:
     deadline = time.monotonic() + timeout
     target = "127.0.0.1" if host in ("", "0.0.0.0") else ("::1" if host == "::" else host)
@@ -144,6 +162,40 @@ def wait_listening(
             return True
         time.sleep(0.05)
     return False
+
+
+def argv(head: list[str], pairs: list[tuple[str, str]], flags: dict[str, object]) -> list[str]:
+    """``python -m <head...>`` plus flag/value pairs (flags whose value is None are left
+    out, so the child's own default applies)."""
+    out = [sys.executable, "-m", *head]
+    for flag, val in [*pairs, *flags.items()]:
+        if val is not None:
+            out += [flag, str(val)]
+    return out
+
+
+def banner(
+    base_url: str,
+    telemetry_path: str,
+    shm_dir: str,
+    private: bool,
+    pids: str,
+    mode: str,
+    rate: float,
+    duration: float,
+) -> str:
+    watch = "kvsidecar dump --watch" + ("" if shm_dir == "/dev/shm" else f" --shm-dir {shm_dir}")
+    note = " (private, removed at exit)" if private else ""
+    until = f"Stopping after {duration:g}s." if duration else "Ctrl-C to stop."
+    return (
+        f"kvsidecar demo: {mode}, {rate:g} req/s\n"
+        f"  metrics:   {base_url}{telemetry_path}\n"
+        f"  snapshots: {base_url}/api/v1/snapshots\n"
+        f"  watch:     {watch}\n"
+        f"  segments:  {shm_dir}{note}\n"
+        f"  pids:      {pids}\n"
+        f"{until}"
+    )
 
 
 @click.command()
@@ -309,6 +361,9 @@ def demo(
             click.echo(f"kvsidecar demo: {DEFAULT_LISTEN} is in use; using port {new}", err=True)
             port = new
         addresses = [f"{host}:{port}"]
+    for a in addresses:  # before starting anything; also: a connect then reaches the daemon
+        if not port_free(*split_address(a)):
+            raise click.BadParameter(f"{a} is in use", param_hint="--web.listen-address")
     host, port = split_address(addresses[0])
 
     private = shm_dir is None
@@ -318,114 +373,87 @@ def demo(
     elif not os.path.isdir(shm_dir):
         raise click.BadParameter(f"{shm_dir} is not a directory", param_hint="--shm-dir")
 
-    serve = [
-        sys.executable,
-        "-m",
-        "kvsidecar",
-        "serve",
-        "--shm-dir",
-        shm_dir,
-        "--web.telemetry-path",
-        telemetry_path,
-        "--log-level",
-        log_level,
-    ]
-    for a in addresses:
-        serve += ["--web.listen-address", a]
-    for flag, val in (
-        ("--web.config.file", web_config_file),
-        ("--web.max-requests", web_max_requests),
-        ("--poll-interval", poll_interval),
-        ("--stale-after", stale_after),
-        ("--prefix", prefix),
-    ):
-        if val is not None:
-            serve += [flag, str(val)]
-    engine = [
-        sys.executable,
-        "-m",
-        "kvsidecar.agent.demo",
-        "--shm-dir",
-        shm_dir,
-        "--rate",
-        str(rate),
-        "--seed",
-        str(seed),
-        "--num-blocks",
-        str(num_blocks),
-        "--step-ms",
-        str(step_ms),
-        "--report-interval",
-        str(report_interval),
-        "--max-requests",
-        str(max_requests),
-        "--stop-arrivals-after",
-        str(stop_arrivals_after),
-    ]
-    if pd:
-        engine += ["--pd", "--transfer-delay", str(transfer_delay)]
-    engine += list(engine_args)
+    serve = argv(
+        ["kvsidecar", "serve", "--shm-dir", shm_dir],
+        [("--web.listen-address", a) for a in addresses],
+        {
+            "--web.telemetry-path": telemetry_path,
+            "--web.config.file": web_config_file,
+            "--web.max-requests": web_max_requests,
+            "--poll-interval": poll_interval,
+            "--stale-after": stale_after,
+            "--prefix": prefix,
+            "--log-level": log_level,
+        },
+    )
+    engine = argv(
+        ["kvsidecar.agent.demo", "--shm-dir", shm_dir, *(["--pd"] if pd else [])],
+        [],
+        {
+            "--rate": rate,
+            "--transfer-delay": transfer_delay if pd else None,
+            "--max-requests": max_requests,
+            "--stop-arrivals-after": stop_arrivals_after,
+            "--seed": seed,
+            "--num-blocks": num_blocks,
+            "--step-ms": step_ms,
+            "--report-interval": report_interval,
+        },
+    ) + list(engine_args)
 
-    stop = threading.Event()
-    received: list[str] = []
+    stop = StopFlag()
+    reason = ["error"]  # why we stop: a signal name, "duration", or what went wrong
 
     def on_signal(signum: int, _frame: object) -> None:
-        received.append(signal.Signals(signum).name)
+        reason[0] = signal.Signals(signum).name
         stop.set()
 
-    # Before any child exists: a signal from here on is handled, never fatal.
-    old = {s: signal.signal(s, on_signal) for s in (signal.SIGINT, signal.SIGTERM)}
+    # Before any child exists: from here on a signal is handled, never fatal.
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: list[Child] = []
     rc = 0
     try:
-        children.append(Child("daemon", serve))
+        daemon = Child("daemon", serve)
+        children.append(daemon)
         children.append(Child("engine", engine))
-        daemon = children[0]
         if not wait_listening(host, port, daemon, stop) and not stop.is_set():
             raise click.ClickException(f"the daemon did not start listening on {addresses[0]}")
-        scheme = "https" if tls_configured(web_config_file) else "http"
-        base_url = f"{scheme}://{url_host(host)}:{port}"
-        dump_cmd = "kvsidecar dump --watch" + (
-            "" if shm_dir == "/dev/shm" else f" --shm-dir {shm_dir}"
-        )
-        mode = (
-            f"P/D pair (prefill + decode engines, transfer delay {transfer_delay:g}s)"
-            if pd
-            else "one engine (prefill + decode)"
-        )
-        click.echo(
-            f"kvsidecar demo: {mode}, {rate:g} req/s\n"
-            f"  metrics:   {base_url}{telemetry_path}\n"
-            f"  snapshots: {base_url}/api/v1/snapshots\n"
-            f"  watch:     {dump_cmd}\n"
-            f"  segments:  {shm_dir}" + (" (private, removed at exit)" if private else "") + "\n"
-            f"  pids:      daemon {daemon.pid}, engine {children[1].pid}\n"
-            + (f"Stopping after {duration:g}s" if duration else "Ctrl-C to stop")
-            + ".",
-        )
-        sys.stdout.flush()
-        deadline = time.monotonic() + duration if duration else None
+        if not stop.is_set():
+            scheme = "https" if tls_configured(web_config_file) else "http"
+            click.echo(
+                banner(
+                    f"{scheme}://{url_host(host)}:{port}",
+                    telemetry_path,
+                    shm_dir,
+                    private,
+                    f"daemon {daemon.pid}, engine {children[1].pid}",
+                    f"P/D pair (prefill + decode engines, transfer delay {transfer_delay:g}s)"
+                    if pd
+                    else "one engine (prefill + decode)",
+                    rate,
+                    duration,
+                )
+            )
+            sys.stdout.flush()
+        deadline = time.monotonic() + duration if duration else float("inf")
         while not stop.wait(0.2):
-            if deadline is not None and time.monotonic() >= deadline:
-                break
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
-                c = dead[0]
-                click.echo(
-                    f"kvsidecar demo: the {c.name} exited ({c.proc.returncode}); stopping", err=True
-                )
+                reason[0] = f"the {dead[0].name} exited with {dead[0].proc.returncode}"
                 rc = 1
                 break
+            if time.monotonic() >= deadline:
+                reason[0] = "duration"
+                break
     finally:
-        why = received[0] if received else ("duration" if rc == 0 else "error")
         if children:
-            click.echo(f"kvsidecar demo: stopping ({why})", err=True)
+            click.echo(f"kvsidecar demo: stopping ({reason[0]})", err=True)
         killed = stop_children(children)
         if killed:
             click.echo(f"kvsidecar demo: killed {', '.join(killed)} (no clean exit)", err=True)
             rc = rc or 1
-        for s, h in old.items():
-            signal.signal(s, h)
+        for sig, handler in old.items():
+            signal.signal(sig, handler)
         leftovers = sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []
         if leftovers:  # an engine that did not close its agent
             click.echo(

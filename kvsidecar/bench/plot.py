@@ -68,8 +68,13 @@ def main(results: str = "bench-results", out: str = "docs/img") -> list[str]:
         ax.bar(range(len(runs)), [r["p99_ms"] for r in runs], label="p99 ms")
         ax.axhline(10, color="k", ls="--", lw=1, label="target p99 10 ms")
         for i, r in enumerate(runs):
-            ax.annotate(f"{r['scrapes_per_s']:,.0f}/s", (i, r["p99_ms"]), ha="center",
-                        va="bottom", fontsize=7)
+            ax.annotate(
+                f"{r['scrapes_per_s']:,.0f}/s",
+                (i, r["p99_ms"]),
+                ha="center",
+                va="bottom",
+                fontsize=7,
+            )
         ax.set_xticks(range(len(runs)), labels, fontsize=8)
         ax.set_ylabel("p99 latency (ms)")
         ax.set_title("/metrics, 8 ranks x 4 pools (gzip): p99 and scrapes/s")

@@ -6,7 +6,7 @@ import logging
 import os
 import signal
 import sys
-import threading
+import time
 
 import click
 
@@ -191,15 +191,18 @@ def serve(
         shm_dir,
         prefix,
     )
-    done = threading.Event()
+    # A plain flag, not threading.Event: Event.set() takes a lock, and two signals in
+    # quick succession (a process-group SIGTERM plus a forwarded one) can deadlock on it
+    # when the handler interrupts the main thread inside that same lock.
+    stopping: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
-        log.info("received %s, shutting down", signal.Signals(signum).name)
-        done.set()
+        stopping.append(signum)
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    while not done.wait(1.0):
-        pass
+    while not stopping:
+        time.sleep(0.2)
+    log.info("received %s, shutting down", signal.Signals(stopping[0]).name)
     server.shutdown()
     targets.stop()

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from kvsidecar.agent.adapters import KvcachedDictAdapter, PoolSource, from_kvcached_dict
 from kvsidecar.agent.pool import KVBlockPool
-
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 
 MIB = 1 << 20

@@ -10,9 +10,9 @@ import sys
 import tempfile
 
 import pytest
+
 from kvsidecar.agent.agent import KVSidecarAgent
 from kvsidecar.agent.pool import KVBlockPool
-
 from kvsidecar.protocol.reader import Reading, SegmentReader, read_segment
 from tests.conftest import REPO
 from tests.procs import wait_for

@@ -6,6 +6,7 @@ from array import array
 
 import pytest
 import torch
+
 from kvsidecar.agent.bench_pool import bench_alloc_free
 from kvsidecar.agent.pool import (
     DeviceMemorySampler,
@@ -13,7 +14,6 @@ from kvsidecar.agent.pool import (
     default_device,
     sample_device_memory,
 )
-
 from kvsidecar.protocol.schema import RuntimeSnapshot, Snapshot, decode_snapshot, encode_snapshot
 
 BS = 4

@@ -26,8 +26,8 @@ from hypothesis.stateful import (
     rule,
     run_state_machine_as_test,
 )
-from kvsidecar.agent.pool import KVBlockPool, convert_table, hash_block_tokens
 
+from kvsidecar.agent.pool import KVBlockPool, convert_table, hash_block_tokens
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 
 MAX_EXAMPLES = int(os.environ.get("KVSIDECAR_ORACLE_EXAMPLES", "2000"))  # >= 2000 in CI

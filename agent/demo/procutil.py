@@ -1,0 +1,106 @@
+"""Process plumbing for the demo engines (no torch here): stop signals, parent-death signal,
+a JSONL record of finished requests and a periodic status line."""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import os
+import signal
+import sys
+import time
+from typing import Any, TextIO
+
+_PR_SET_PDEATHSIG = 1
+
+
+class StopFlag:
+    """Set from a signal handler; no lock (unlike threading.Event), because a second signal
+    can run its handler in the middle of the first one's Event.set() and deadlock on the
+    Event's lock (seen here: SIGTERM to the process group plus the launcher's own)."""
+
+    def __init__(self) -> None:
+        self._set = False
+
+    def set(self) -> None:
+        self._set = True
+
+    def is_set(self) -> bool:
+        return self._set
+
+    def wait(self, timeout: float) -> bool:
+        """Sleep up to `timeout` (callers keep it short: a signal does not cut it short)."""
+        if not self._set and timeout > 0:
+            time.sleep(timeout)
+        return self._set
+
+
+def install_stop_handlers() -> StopFlag:
+    """SIGINT/SIGTERM set the returned flag instead of killing the process, so the engine
+    loop ends and closes its agent (which unlinks the segment)."""
+    stop = StopFlag()
+
+    def handler(_signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, handler)
+    signal.signal(signal.SIGINT, handler)
+    return stop
+
+
+def set_pdeathsig(parent: int, sig: int = signal.SIGTERM) -> None:
+    """Linux: get `sig` when the parent dies, so a SIGKILLed launcher leaves no orphans."""
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:  # the parent died before prctl took effect
+        os.kill(os.getpid(), sig)
+
+
+def log(role: str, message: str) -> None:
+    print(f"kvsidecar-demo[{role}] {message}", file=sys.stderr, flush=True)
+
+
+class Recorder:
+    """Appends one JSON line per event to a file shared by the P/D pair (O_APPEND: a line
+    is one write, so the two processes' lines do not interleave)."""
+
+    def __init__(self, path: str | None, role: str) -> None:
+        self.role = role
+        self._f: TextIO | None = open(path, "a", buffering=1) if path else None
+
+    @property
+    def enabled(self) -> bool:
+        return self._f is not None
+
+    def write(self, **fields: Any) -> None:
+        if self._f is not None:
+            self._f.write(json.dumps({"role": self.role, **fields}) + "\n")
+
+    def close(self) -> None:
+        if self._f is not None:
+            self._f.close()
+            self._f = None
+
+
+class Ticker:
+    """Calls `emit(elapsed_s, steps_per_s)` every `interval` seconds (0 = never)."""
+
+    def __init__(self, interval: float) -> None:
+        self.interval = interval
+        self.t0 = self._last = time.monotonic()
+        self._steps = 0
+
+    def due(self, steps: int) -> tuple[float, float] | None:
+        if not self.interval:
+            return None
+        now = time.monotonic()
+        if now - self._last < self.interval:
+            return None
+        rate = (steps - self._steps) / (now - self._last)
+        self._last, self._steps = now, steps
+        return now - self.t0, rate

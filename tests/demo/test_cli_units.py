@@ -1,0 +1,41 @@
+"""`kvsidecar demo` pieces that need no engine: addresses, port fallback, no torch import."""
+
+from __future__ import annotations
+
+import socket
+import subprocess
+import sys
+
+import click
+import pytest
+
+from kvsidecar.demo_cli import port_free, split_address, url_host
+from tests.conftest import REPO
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def test_split_address() -> None:
+    assert split_address("127.0.0.1:9400") == ("127.0.0.1", 9400)
+    assert split_address(":9400") == ("", 9400)
+    assert split_address("[::1]:9400") == ("::1", 9400)
+    with pytest.raises(click.BadParameter):
+        split_address("localhost")
+    assert url_host("") == "localhost" and url_host("::1") == "[::1]"
+
+
+def test_port_in_use_is_detected() -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        assert not port_free("127.0.0.1", port)
+    assert port_free("127.0.0.1", port)
+
+
+def test_cli_and_pd_launcher_do_not_import_torch() -> None:
+    code = (
+        "import sys, kvsidecar.cli, kvsidecar.demo_cli, kvsidecar.agent.demo.launch, "
+        "kvsidecar.agent.demo.plot; assert 'torch' not in sys.modules, 'torch imported'"
+    )
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)
