@@ -36,13 +36,13 @@ def publish(quick: bool, out: str) -> None:
 @bench.command(name="torn")
 @quick_option
 @out_option
-@click.option("--seconds", type=float, default=None, help="Duration (default 60, quick 2).")
+@click.option("--seconds", type=float, default=None, help="Duration (default 120, quick 2).")
 @click.option("--readers", type=int, default=2, show_default=True)
 def torn_cmd(quick: bool, out: str, seconds: float | None, readers: int) -> None:
     """Full-speed writer vs reader processes: reads, retries, torn accepted."""
     from kvsidecar.bench import torn
 
-    secs = seconds if seconds is not None else (2.0 if quick else 60.0)
+    secs = seconds if seconds is not None else (2.0 if quick else 120.0)
     result = torn.run(seconds=secs, readers=readers)
     report.print_table(
         "torn reads",
