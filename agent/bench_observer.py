@@ -34,7 +34,7 @@ import torch
 
 from kvsidecar.agent.agent import KVSidecarAgent
 from kvsidecar.agent.pool import KVBlockPool, host_memory
-from kvsidecar.bench.fleet import free_port
+from kvsidecar.bench.fleet import free_port, start_daemon
 from kvsidecar.bench.report import percentile
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot
 
@@ -194,24 +194,10 @@ def run(quick: bool = False, matmul: int = 192) -> dict[str, Any]:
     for p in engine.pools:
         agent.register_pool(p)
     exporter = InProcessExporter(engine)
-    port = free_port()
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvsidecar",
-            "serve",
-            "--shm-dir",
-            shm_dir,
-            "--web.listen-address",
-            f"127.0.0.1:{port}",
-            "--log-level",
-            "warning",
-        ],
-        stdout=subprocess.DEVNULL,
-    )
+    agent.step()  # publish once so the daemon has a source when it comes up
+    daemon, daemon_url = start_daemon(shm_dir)
     scrapers = {
-        "kvsidecar": _scraper(f"http://127.0.0.1:{port}/metrics"),
+        "kvsidecar": _scraper(f"{daemon_url}/metrics"),
         "prometheus_client": _scraper(f"http://127.0.0.1:{exporter.port}/metrics"),
     }
     poll_active, stop = threading.Event(), threading.Event()
@@ -221,8 +207,6 @@ def run(quick: bool = False, matmul: int = 192) -> dict[str, Any]:
     order = list(CONDITIONS)
     rng = random.Random(1)
     try:
-        agent.step()
-        time.sleep(1.0)  # the daemon attaches
         daemon.send_signal(signal.SIGSTOP)
         for _ in range(200):
             engine.step()  # warm-up

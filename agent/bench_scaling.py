@@ -12,19 +12,8 @@ import tempfile
 from typing import Any
 
 from kvsidecar.agent.agent import KVSidecarAgent
-from kvsidecar.agent.bench_agent import _tiny_pool
+from kvsidecar.agent.bench_agent import build_big
 from kvsidecar.bench.report import summarize, time_calls, timer_overhead_ns
-
-
-def _pools(blocks: int, deferred: int):
-    big = _tiny_pool(blocks, "block_pool")
-    prefix = list(range(32))
-    for i in range(deferred):
-        rid = f"d{i}"
-        if big.allocate_prompt(rid, prefix + [100_000 + i] * 16) is None:
-            raise RuntimeError("pool too small")
-        big.finish(rid, connectors=("pd",))
-    return [big] + [_tiny_pool(1000, f"pool{i}") for i in (1, 2, 3)]
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -44,7 +33,7 @@ def run(quick: bool = False) -> dict[str, Any]:
                 device="cpu",
                 segment_name=f"kvsidecar.scaling.{n}.{d}.{os.getpid()}",
             )
-            for p in _pools(n, d):
+            for p in build_big(n, d):
                 agent.register_pool(p)
             agents[(n, d)] = agent
         overhead = timer_overhead_ns()

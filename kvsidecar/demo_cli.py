@@ -28,6 +28,8 @@ from collections.abc import Callable
 
 import click
 
+from kvsidecar.stopflag import StopFlag
+
 DEFAULT_LISTEN = "127.0.0.1:9400"
 STOP_GRACE_S = 10.0  # engines close their agents (unlink segments) within this
 
@@ -131,25 +133,6 @@ def stop_children(children: list[Child], grace: float = STOP_GRACE_S) -> list[st
         with contextlib.suppress(subprocess.TimeoutExpired):
             c.proc.wait(5)
     return killed
-
-
-class StopFlag:
-    """Set from a signal handler. Not a threading.Event: a second signal (Ctrl-C twice) can
-    run its handler inside the first one's Event.set() and deadlock on the Event's lock."""
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout: float) -> bool:
-        if not self._set:
-            time.sleep(timeout)
-        return self._set
 
 
 def wait_listening(

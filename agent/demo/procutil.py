@@ -11,28 +11,9 @@ import sys
 import time
 from typing import Any, TextIO
 
+from kvsidecar.stopflag import StopFlag
+
 _PR_SET_PDEATHSIG = 1
-
-
-class StopFlag:
-    """Set from a signal handler; no lock (unlike threading.Event), because a second signal
-    can run its handler in the middle of the first one's Event.set() and deadlock on the
-    Event's lock (seen here: SIGTERM to the process group plus the launcher's own)."""
-
-    def __init__(self) -> None:
-        self._set = False
-
-    def set(self) -> None:
-        self._set = True
-
-    def is_set(self) -> bool:
-        return self._set
-
-    def wait(self, timeout: float) -> bool:
-        """Sleep up to `timeout` (callers keep it short: a signal does not cut it short)."""
-        if not self._set and timeout > 0:
-            time.sleep(timeout)
-        return self._set
 
 
 def install_stop_handlers() -> StopFlag:

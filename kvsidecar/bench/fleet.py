@@ -53,9 +53,7 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def fleet(
-    ranks: int = 8, pools: int = 4, hz: float = 100.0, daemon_args: tuple[str, ...] = ()
-) -> Iterator[dict[str, Any]]:
+def fleet(ranks: int = 8, pools: int = 4, hz: float = 100.0) -> Iterator[dict[str, Any]]:
     """Yield {"url", "daemon_pid", "writer_pid", "shm_dir"} while writers and daemon run."""
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-fleet-", dir="/dev/shm")
     ctx = mp.get_context("spawn")
@@ -66,35 +64,8 @@ def fleet(
     try:
         if not ready.wait(60):
             raise RuntimeError("benchmark writers did not start")
-        port = free_port()
-        daemon = subprocess.Popen(
-            [
-                sys.executable,
-                "-m",
-                "kvsidecar",
-                "serve",
-                "--shm-dir",
-                shm_dir,
-                "--web.listen-address",
-                f"127.0.0.1:{port}",
-                "--log-level",
-                "warning",
-                *daemon_args,
-            ],
-            stdout=subprocess.DEVNULL,
-        )
-        url = f"http://127.0.0.1:{port}"
-        deadline = time.monotonic() + 30
-        while True:
-            try:
-                with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
-                    if b"kvsidecar_source_up{" in r.read():
-                        break
-            except OSError:
-                pass
-            if time.monotonic() > deadline or daemon.poll() is not None:
-                raise RuntimeError("daemon did not come up")
-            time.sleep(0.1)
+        daemon, url = start_daemon(shm_dir)
+        port = int(url.rsplit(":", 1)[1])
         yield {
             "url": url,
             "port": port,
@@ -114,6 +85,41 @@ def fleet(
         if writer.is_alive():
             writer.kill()
         shutil.rmtree(shm_dir, ignore_errors=True)
+
+
+def start_daemon(shm_dir: str, *args: str, timeout: float = 30.0) -> tuple[subprocess.Popen, str]:
+    """Start ``kvsidecar serve`` on a free loopback port; return it and its URL once it
+    serves a scrape with at least one source."""
+    port = free_port()
+    daemon = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "kvsidecar",
+            "serve",
+            "--shm-dir",
+            shm_dir,
+            "--web.listen-address",
+            f"127.0.0.1:{port}",
+            "--log-level",
+            "warning",
+            *args,
+        ],
+        stdout=subprocess.DEVNULL,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
+                if b"kvsidecar_source_up{" in r.read():
+                    return daemon, url
+        except OSError:
+            pass
+        if time.monotonic() > deadline or daemon.poll() is not None:
+            daemon.kill()
+            raise RuntimeError("daemon did not come up")
+        time.sleep(0.1)
 
 
 def proc_stat(pid: int) -> tuple[int, float]:

@@ -6,12 +6,12 @@ import logging
 import os
 import signal
 import sys
-import time
 
 import click
 
 from kvsidecar import __version__
 from kvsidecar.cli_options import EXIT_USAGE, prefix_option, shm_dir_option
+from kvsidecar.stopflag import StopFlag
 
 DEFAULT_LISTEN = ":9400"
 
@@ -191,18 +191,17 @@ def serve(
         shm_dir,
         prefix,
     )
-    # A plain flag, not threading.Event: Event.set() takes a lock, and two signals in
-    # quick succession (a process-group SIGTERM plus a forwarded one) can deadlock on it
-    # when the handler interrupts the main thread inside that same lock.
-    stopping: list[int] = []
+    stopping = StopFlag()
+    received: list[int] = []
 
     def stop(signum: int, _frame: object) -> None:
-        stopping.append(signum)
+        received.append(signum)
+        stopping.set()
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
-    while not stopping:
-        time.sleep(0.2)
-    log.info("received %s, shutting down", signal.Signals(stopping[0]).name)
+    while not stopping.wait(0.2):
+        pass
+    log.info("received %s, shutting down", signal.Signals(received[0]).name)
     server.shutdown()
     targets.stop()
