@@ -1,8 +1,8 @@
 """The ``kvsidecar`` command line: serve, dump, ls, bench, demo, selfcheck.
 
-Every option has a ``KVSIDECAR_*`` environment twin (click's auto_envvar_prefix
-for subcommands: ``KVSIDECAR_SERVE_...`` is *not* used; each option names its
-variable explicitly so the twins are the documented ones).
+Every ``serve`` option (and the shared ``--shm-dir``/``--prefix``) has a
+``KVSIDECAR_*`` environment twin, named explicitly on each option rather than
+derived by click, so the twins are exactly the documented ones.
 """
 
 from __future__ import annotations
