@@ -6,6 +6,8 @@ import subprocess
 import sys
 import time
 
+from kvsidecar.bench import fleet
+
 WRITER_SCRIPT = r"""
 import sys, time
 from kvsidecar.protocol.writer import SegmentWriter
@@ -76,49 +78,6 @@ def start_rank(
     return proc, int(line.split()[1])
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def start_daemon(
-    shm_dir: str, *extra: str, port: int | None = None
-) -> tuple[subprocess.Popen, str]:
-    """Start `kvsidecar serve` as a real process; returns it and its base URL once ready."""
-    import urllib.request
-
-    from tests.conftest import REPO
-
-    port = port or free_port()
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvsidecar",
-            "serve",
-            "--shm-dir",
-            shm_dir,
-            "--web.listen-address",
-            f"127.0.0.1:{port}",
-            *extra,
-        ],
-        cwd=REPO,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    url = f"http://127.0.0.1:{port}"
-
-    def ready() -> bool:
-        try:
-            with urllib.request.urlopen(url + "/-/healthy", timeout=1) as r:
-                return r.status == 200
-        except OSError:
-            return proc.poll() is not None
-
-    if not wait_for(ready, timeout=20) or proc.poll() is not None:
-        proc.kill()
-        raise RuntimeError(f"daemon did not start: {proc.stderr.read() if proc.stderr else ''}")
-    return proc, url
+def start_daemon(shm_dir: str, *extra: str) -> tuple[subprocess.Popen, str]:
+    """Start `kvsidecar serve` as a real process; returns it and its base URL once healthy."""
+    return fleet.start_daemon(shm_dir, *extra, wait_for_source=False)

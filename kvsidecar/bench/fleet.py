@@ -87,9 +87,12 @@ def fleet(ranks: int = 8, pools: int = 4, hz: float = 100.0) -> Iterator[dict[st
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
-def start_daemon(shm_dir: str, *args: str, timeout: float = 30.0) -> tuple[subprocess.Popen, str]:
-    """Start ``kvsidecar serve`` on a free loopback port; return it and its URL once it
-    serves a scrape with at least one source."""
+def start_daemon(
+    shm_dir: str, *args: str, wait_for_source: bool = True, timeout: float = 30.0
+) -> tuple[subprocess.Popen, str]:
+    """Start ``kvsidecar serve`` on a free loopback port; return it and its base URL once
+    it serves a scrape with at least one source (or, without ``wait_for_source``, once
+    ``/-/healthy`` answers). stderr is inherited: an unread pipe could fill and block it."""
     port = free_port()
     daemon = subprocess.Popen(
         [
@@ -108,18 +111,19 @@ def start_daemon(shm_dir: str, *args: str, timeout: float = 30.0) -> tuple[subpr
         stdout=subprocess.DEVNULL,
     )
     url = f"http://127.0.0.1:{port}"
+    path, marker = ("/metrics", b"kvsidecar_source_up{") if wait_for_source else ("/-/healthy", b"")
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(url + "/metrics", timeout=2) as r:
-                if b"kvsidecar_source_up{" in r.read():
+            with urllib.request.urlopen(url + path, timeout=2) as r:
+                if r.status == 200 and marker in r.read():
                     return daemon, url
         except OSError:
             pass
         if time.monotonic() > deadline or daemon.poll() is not None:
             daemon.kill()
-            raise RuntimeError("daemon did not come up")
-        time.sleep(0.1)
+            raise RuntimeError(f"daemon did not come up (exit code {daemon.wait()})")
+        time.sleep(0.05)
 
 
 def proc_stat(pid: int) -> tuple[int, float]:

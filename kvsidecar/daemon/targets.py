@@ -186,7 +186,7 @@ class TargetSet:
         directory could otherwise mint series. It is logged once per reason,
         counted in ``refused``, and looked at again at the next discovery.
         """
-        listed = list_segments(self.shm_dir, self.prefix, self.pattern, regular_only=False)
+        listed = list_segments(self.shm_dir, self.prefix, self.pattern)
         found = set(self.explicit) | set(listed)
         refused: dict[str, str] = {}
         for name in sorted(found - self.targets.keys()):

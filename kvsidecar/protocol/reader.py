@@ -76,24 +76,24 @@ class Gone(ReadError):
     kind = "gone"
 
 
-class WriterDead(ReadError):
+class _WithLast(ReadError):
+    """An error that still has the last good snapshot (``last``) to offer."""
+
+    def __init__(self, message: str, last: Reading | None = None) -> None:
+        super().__init__(message)
+        self.last = last
+
+
+class WriterDead(_WithLast):
     """No process holds the writer lock; ``last`` is the last snapshot it published."""
 
     kind = "writer_dead"
 
-    def __init__(self, message: str, last: Reading | None = None) -> None:
-        super().__init__(message)
-        self.last = last
 
-
-class Stale(ReadError):
+class Stale(_WithLast):
     """The writer is alive but its heartbeat is older than allowed (hung, SIGSTOPped)."""
 
     kind = "stale"
-
-    def __init__(self, message: str, last: Reading | None = None) -> None:
-        super().__init__(message)
-        self.last = last
 
 
 @dataclass(frozen=True)

@@ -178,3 +178,19 @@ def test_segment_truncated_under_the_engine_disables_not_crashes(shm_dir: str, c
     assert agent.runtime.publish_errors_total == 1
     assert any("agent disabled" in r.message for r in caplog.records)
     agent.close()
+
+
+def test_idle_heartbeat_keeps_the_segment_fresh_without_steps(shm_dir: str) -> None:
+    agent = KVSidecarAgent("t", "m", shm_dir=shm_dir, device="cpu", heartbeat_interval=0.05)
+    agent.step()
+    first = read_segment(agent.segment_name, shm_dir=shm_dir)
+    assert isinstance(first, Reading)
+    assert wait_for(
+        lambda: (
+            read_segment(agent.segment_name, shm_dir=shm_dir).heartbeat_mono_ns
+            > first.heartbeat_mono_ns
+        ),
+        timeout=2,
+    )
+    assert read_segment(agent.segment_name, shm_dir=shm_dir).seq == first.seq  # no new step
+    agent.close()

@@ -166,7 +166,7 @@ def test_real_prometheus_scrapes_the_daemon(daemon: str, tmp_path) -> None:
     """A real Prometheus server scrapes us; PromQL returns the published deferred-free value."""
     if shutil.which("prometheus") is None:
         pytest.skip("prometheus not installed (apt-get install prometheus)")
-    from tests.procs import free_port
+    from kvsidecar.bench.fleet import free_port
 
     target = daemon.removeprefix("http://")
     (tmp_path / "prometheus.yml").write_text(

@@ -13,8 +13,9 @@ import sys
 import bcrypt
 import pytest
 
+from kvsidecar.bench.fleet import free_port
 from tests.conftest import REPO
-from tests.procs import free_port, start_rank, wait_for
+from tests.procs import start_rank, wait_for
 
 
 def _get(port: int, path: str, ctx: ssl.SSLContext, auth: tuple[str, str] | None = None) -> int:

@@ -10,8 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar.bench.fleet import free_port
 from tests.daemon.scrape import fetch, value
-from tests.procs import free_port, wait_for
+from tests.procs import wait_for
 
 from .procs import Demo, session_members
 
