@@ -20,5 +20,7 @@ setup(
         "kvsidecar.bench",
         "kvsidecar.agent",
         "kvsidecar.agent.demo",
+        "kvsidecar.agent.bench",
+        "kvsidecar.agent.engines",
     ],
 )

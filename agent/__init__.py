@@ -12,7 +12,7 @@ from typing import Any
 _EXPORTS = {
     "KVBlockPool": "kvsidecar.agent.pool",
     "KVSidecarAgent": "kvsidecar.agent.agent",
-    "KvcachedDictAdapter": "kvsidecar.agent.adapters",
+    "KvcachedDictAdapter": "kvsidecar.agent.engines.kvcached",
     "PoolSource": "kvsidecar.agent.adapters",
 }
 __all__ = sorted(_EXPORTS)

@@ -24,6 +24,8 @@ Counter definitions (``pool.stats``), all in blocks unless named ``*_bytes``:
 * ``deferred_free_requests``: finished/aborted requests waiting on >= 1 connector.
 * ``deferred_free_blocks``: distinct blocks in those requests' tables (shared prefix blocks
   counted once, even if a live request shares them too). Leases are not deferred.
+* ``oldest_deferred_free_mono_ns``: CLOCK_MONOTONIC when the oldest still-deferred request
+  was finished; 0 when none is deferred.
 * ``tokens_used``: token slots filled in blocks with refcount > 0 (a shared block once).
 * ``allocs_total``: block transitions into the allocated set: fresh blocks handed to a
   request, to `alloc_blocks` or to the reserve ledger, and cached blocks revived by a prefix
@@ -170,6 +172,9 @@ class KVBlockPool:
         self._next_lease = 1
         self._deferred_requests = 0
         self._deferred_blocks = 0
+        # Deferral start per deferred request, oldest first: the oldest is O(1) to read, and
+        # releases in any order are O(1) to remove (an OrderedDict is a linked list).
+        self._deferred_since: OrderedDict[str, int] = OrderedDict()
         self._tokens_used = 0
 
         self.stats = KVCachePoolSnapshot(
@@ -184,6 +189,7 @@ class KVBlockPool:
             cached_blocks=0,
             deferred_free_requests=0,
             deferred_free_blocks=0,
+            oldest_deferred_free_mono_ns=0,
             tokens_used=0,
             allocs_total=0,
             frees_total=0,
@@ -274,6 +280,8 @@ class KVBlockPool:
         s.available_bytes = available * unit
         s.deferred_free_requests = self._deferred_requests
         s.deferred_free_blocks = self._deferred_blocks
+        since = self._deferred_since
+        s.oldest_deferred_free_mono_ns = next(iter(since.values())) if since else 0
         s.tokens_used = self._tokens_used
 
     # ------------------------------------------------------------------ allocator core
@@ -614,6 +622,7 @@ class KVBlockPool:
                 holders[b] = c + 1
             self._deferred_blocks += added
             self._deferred_requests += 1
+            self._deferred_since[req_id] = time.monotonic_ns()
             self._publish()
             return True
         del self._requests[req_id]
@@ -643,6 +652,7 @@ class KVBlockPool:
             holders[b] = c
         self._deferred_blocks -= removed
         self._deferred_requests -= 1
+        del self._deferred_since[req_id]
         del self._requests[req_id]
         self._unref(reversed(req.table))
         self._maybe_finish_shrink()

@@ -66,7 +66,7 @@ def torn_cmd(quick: bool, out: str, seconds: float | None, readers: int) -> None
 @out_option
 def agent_cmd(quick: bool, out: str) -> None:
     """Agent step cost: idle vs 1,000,000 blocks with 10,000 deferred requests (needs torch)."""
-    from kvsidecar.agent import bench_agent
+    from kvsidecar.agent.bench import agent as bench_agent
 
     r = bench_agent.run(quick=quick)
     report.print_table(
@@ -138,7 +138,7 @@ def all_cmd(ctx: click.Context, quick: bool, out: str) -> None:
 )
 def observer_cmd(quick: bool, out: str, matmul: int) -> None:
     """Engine step time under no observer, kvsidecar, in-process exporter, locked snapshot."""
-    from kvsidecar.agent import bench_observer
+    from kvsidecar.agent.bench import observer as bench_observer
 
     r = bench_observer.run(quick=quick, matmul=matmul)
     rows = [
@@ -196,7 +196,7 @@ def footprint_cmd(quick: bool, out: str) -> None:
 @out_option
 def scaling_cmd(quick: bool, out: str) -> None:
     """Agent publish time vs pool size (10^3..10^6) and deferred requests (0..10^4)."""
-    from kvsidecar.agent import bench_scaling
+    from kvsidecar.agent.bench import scaling as bench_scaling
 
     r = bench_scaling.run(quick=quick)
     report.print_table(

@@ -68,7 +68,7 @@ class SnapshotCollector:
         now = time.monotonic_ns()
         up = [v for v in views if v.up and v.last is not None]
         yield from self._runtime(up)
-        yield from self._pools(up)
+        yield from self._pools(up, now)
         yield from self._dp_sums(up)
         yield from self._sources(views, now)
         yield from self._daemon(views)
@@ -104,9 +104,9 @@ class SnapshotCollector:
             yield fam
         yield info
 
-    def _pools(self, up: list[TargetView]) -> Iterator[Metric]:
+    def _pools(self, up: list[TargetView], now: int) -> Iterator[Metric]:
         families = [(m, _family(m, md.POOL_LABELS)) for m in md.POOL]
-        usage, tokens, fill = (_family(m, md.POOL_LABELS) for m in md.POOL_DERIVED)
+        usage, tokens, age, fill = (_family(m, md.POOL_LABELS) for m in md.POOL_DERIVED)
         for view in up:
             base = rank_labels(view)
             for p in view.last.snapshot.pools:  # type: ignore[union-attr]
@@ -116,10 +116,12 @@ class SnapshotCollector:
                     if value is not None:
                         fam.add_metric(labels, float(value))
                 _derived(p, labels, usage, tokens, fill)
+                _deferred_age(p, labels, age, now)
         for _, fam in families:
             yield fam
         yield usage
         yield tokens
+        yield age
         yield fill
 
     def _dp_sums(self, up: list[TargetView]) -> Iterator[Metric]:
@@ -208,6 +210,14 @@ def _derived(p: KVCachePoolSnapshot, labels: list[str], usage, tokens, fill) -> 
         tokens.add_metric(labels, p.tokens_used / (p.total_blocks * p.block_size_tokens))
     if p.allocated_blocks > 0:
         fill.add_metric(labels, p.tokens_used / (p.allocated_blocks * p.block_size_tokens))
+
+
+def _deferred_age(p: KVCachePoolSnapshot, labels: list[str], age, now_mono_ns: int) -> None:
+    since = p.oldest_deferred_free_mono_ns
+    if since is None:
+        return  # the writer cannot tell: no series
+    # Same clock as the writer (CLOCK_MONOTONIC is per boot, shared by every process).
+    age.add_metric(labels, max(0, now_mono_ns - since) / 1e9 if since > 0 else 0.0)
 
 
 def _http_families(stats: dict, defs: dict[str, md.MetricDef]) -> Iterator[Metric]:

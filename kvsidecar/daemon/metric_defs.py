@@ -365,6 +365,53 @@ POOL: tuple[MetricDef, ...] = (
         "resize_target_bytes",
         anchor="kvcached resize_target_bytes (-1 = none)",
     ),
+    MetricDef(
+        "kvsidecar_kv_pool_prefix_query_tokens_total",
+        COUNTER,
+        "tokens",
+        "Tokens looked up in the prefix cache (vLLM's unit: compare with "
+        "vllm:prefix_cache_queries_total directly).",
+        "prefix_query_tokens_total",
+        anchor="vllm:prefix_cache_queries_total",
+        overlaps="the same lookups as prefix_queries_total, in tokens",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_prefix_hit_tokens_total",
+        COUNTER,
+        "tokens",
+        "Of the tokens looked up, those found in the prefix cache.",
+        "prefix_hit_tokens_total",
+        anchor="vllm:prefix_cache_hits_total",
+        overlaps="the same hits as prefix_hits_total, in tokens",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_page_size_bytes",
+        GAUGE,
+        "bytes",
+        "kvcached: bytes of one physical page, per layer per buffer (KVCACHED_PAGE_SIZE_MB; "
+        "absent if unsupported).",
+        "page_size_bytes",
+        anchor="kvcached page_size_bytes",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_available_physical_pages",
+        GAUGE,
+        "pages",
+        "kvcached: pages the device could still map for this pool, per layer per buffer "
+        "((cudaMemGetInfo free - reserve for KVCACHED_GPU_UTILIZATION) / page / layers / "
+        "buffers).",
+        "available_physical_pages",
+        anchor="kvcached available_physical_pages",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_effective_free_pages",
+        GAUGE,
+        "pages",
+        "kvcached: free pages that can really be backed: min(free_pages, "
+        "available_physical_pages + reserved_pages).",
+        "effective_free_pages",
+        anchor="kvcached effective_free_pages",
+    ),
 )
 
 POOL_DERIVED: tuple[MetricDef, ...] = (
@@ -380,6 +427,16 @@ POOL_DERIVED: tuple[MetricDef, ...] = (
         GAUGE,
         "ratio",
         "tokens_used / (total_blocks x block_size_tokens) (token occupancy).",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_oldest_deferred_free_age_seconds",
+        GAUGE,
+        "seconds",
+        "How long the oldest deferred request of this pool has held its KV (now - "
+        "oldest_deferred_free_mono_ns, computed at scrape time); 0 when none is deferred. "
+        "A P/D transfer that never completes shows as an age that only grows.",
+        "oldest_deferred_free_mono_ns",
+        anchor="none (no engine exports it)",
     ),
     MetricDef(
         "kvsidecar_kv_pool_block_fill_ratio",

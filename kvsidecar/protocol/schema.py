@@ -30,7 +30,7 @@ from typing import Any
 import msgspec
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 0
+SCHEMA_MINOR = 1  # 1.1: token-unit prefix counters, oldest deferral, kvcached pages
 SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 ROLES = ("prefill", "decode", "both")
@@ -112,6 +112,19 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True):
     inuse_pages: int | None = None
     reserved_pages: int | None = None
     resize_target_bytes: int | None = None
+    # -- v1.1 ------------------------------------------------------------------
+    # Prefix-cache counters in tokens, vLLM's unit (vllm:prefix_cache_queries_total /
+    # hits_total count request tokens looked up / found), beside the block counters above.
+    prefix_query_tokens_total: int | None = None
+    prefix_hit_tokens_total: int | None = None
+    # CLOCK_MONOTONIC (ns) at which the oldest still-deferred request of this pool began
+    # deferring; 0 while none is deferred. The daemon exports now - this as an age, so the
+    # age keeps growing while a stuck transfer also stops the engine from stepping.
+    oldest_deferred_free_mono_ns: int | None = None
+    # kvcached page allocator (kvcached.observability.v1 names).
+    page_size_bytes: int | None = None
+    available_physical_pages: int | None = None
+    effective_free_pages: int | None = None
 
 
 class Snapshot(msgspec.Struct, array_like=True, kw_only=True):

@@ -7,7 +7,7 @@ from array import array
 import pytest
 import torch
 
-from kvsidecar.agent.bench_pool import bench_alloc_free
+from kvsidecar.agent.bench.pool import bench_alloc_free
 from kvsidecar.agent.pool import (
     DeviceMemorySampler,
     KVBlockPool,

@@ -61,6 +61,9 @@ class Req:
     tail: list[int] | None
     hashes: list[int]
     pending: set[str] | None = None
+    # CLOCK_MONOTONIC read just before and just after the deferring call: the pool's stamp
+    # for this request must lie in between.
+    deferred_at: tuple[int, int] | None = None
 
 
 @dataclass
@@ -313,10 +316,13 @@ class PoolMachine(RuleBasedStateMachine):
         conns = list(CONNECTORS[:nconn])
         if rev:
             conns.reverse()
+        before = time.monotonic_ns()
         deferred = (self.pool.abort if abort else self.pool.finish)(rid, conns)
+        after = time.monotonic_ns()
         assert deferred == bool(conns)
         if conns:
             self.m.reqs[rid].pending = set(conns)
+            self.m.reqs[rid].deferred_at = (before, after)
         else:
             self._free_req(rid)
 
@@ -487,6 +493,15 @@ class PoolMachine(RuleBasedStateMachine):
             assert m.refs.get(b, 0) == 0
         got = pool.snapshot()
         want = self.expected()
+        # The oldest deferral: the earliest-deferred request still deferred (dict order is
+        # deferral order in the model), its stamp within that call's clock bracket.
+        stamps = [q.deferred_at for q in m.reqs.values() if q.pending is not None]
+        if stamps:
+            lo, hi = min(stamps)
+            assert lo <= got.oldest_deferred_free_mono_ns <= hi
+            want.oldest_deferred_free_mono_ns = got.oldest_deferred_free_mono_ns
+        else:
+            want.oldest_deferred_free_mono_ns = 0
         for name in KVCachePoolSnapshot.__struct_fields__:
             assert getattr(got, name) == getattr(want, name), (
                 name,

@@ -95,3 +95,23 @@ def test_fast_renderer_matches_prometheus_client() -> None:
 
     assert stable(ours) == stable(theirs)
     assert len(samples(ours.decode())) > 200
+
+
+def test_oldest_deferral_age_is_computed_at_scrape_time() -> None:
+    import time
+
+    since = time.monotonic_ns() - 3_000_000_000  # deferred 3 s ago
+    pools = [
+        KVCachePoolSnapshot(pool_name="held", oldest_deferred_free_mono_ns=since),
+        KVCachePoolSnapshot(pool_name="idle", oldest_deferred_free_mono_ns=0),
+        KVCachePoolSnapshot(pool_name="unsupported"),
+    ]
+    collector = SnapshotCollector(lambda: [_view("s", pools)])
+    name = "kvsidecar_kv_pool_oldest_deferred_free_age_seconds"
+    first = value(render_text(collector.collect()).decode(), name, pool="held")
+    assert 3.0 <= first < 60.0
+    time.sleep(0.05)
+    text = render_text(collector.collect()).decode()
+    assert value(text, name, pool="held") > first  # grows without a new snapshot
+    assert value(text, name, pool="idle") == 0
+    assert value(text, name, pool="unsupported") is None

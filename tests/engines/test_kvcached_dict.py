@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from kvsidecar.agent.adapters import KvcachedDictAdapter, PoolSource, from_kvcached_dict
+from kvsidecar.agent.adapters import PoolSource
+from kvsidecar.agent.engines.kvcached import KvcachedDictAdapter, from_kvcached_dict
 from kvsidecar.agent.pool import KVBlockPool
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 

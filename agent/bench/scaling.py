@@ -12,7 +12,7 @@ import tempfile
 from typing import Any
 
 from kvsidecar.agent.agent import KVSidecarAgent
-from kvsidecar.agent.bench_agent import build_big
+from kvsidecar.agent.bench.agent import build_big
 from kvsidecar.bench.report import summarize, time_calls, timer_overhead_ns
 
 

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 
 from kvsidecar.agent.agent import KVSidecarAgent
-from kvsidecar.agent.bench_pool import bench_alloc_free
+from kvsidecar.agent.bench.pool import bench_alloc_free
 from kvsidecar.agent.pool import KVBlockPool
 from kvsidecar.bench.report import summarize, time_calls, timer_overhead_ns
 

@@ -1,0 +1,47 @@
+"""Where the engines' own environments are, for tests that run real engine code.
+
+`.ci/engine-env NAME` builds NAME's environment from `.ci/locks/NAME.txt` and links it at
+`.engine-envs/NAME`. Without it a test skips with the command that builds it; with
+``KVSIDECAR_REQUIRE_ENGINES=1`` (set by `.ci/run`) a missing environment fails instead,
+so CI can never pass by skipping them.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def engine_python(name: str) -> str:
+    """The Python of engine `name`'s environment, or skip (fail under CI) with the fix."""
+    override = os.environ.get(f"KVSIDECAR_{name.upper()}_PYTHON")
+    python = Path(override) if override else ROOT / ".engine-envs" / name / "bin" / "python"
+    if python.exists():
+        return str(python)
+    reason = f"no {name} environment at {python}: build it with `bash .ci/engine-env {name}`"
+    if os.environ.get("KVSIDECAR_REQUIRE_ENGINES", "") not in ("", "0"):
+        pytest.fail(f"{reason} (KVSIDECAR_REQUIRE_ENGINES is set: CI must not skip this)")
+    pytest.skip(reason)
+
+
+def run_in_engine_env(
+    name: str, args: list[str], *, timeout: float, env: dict[str, str] | None = None
+) -> subprocess.CompletedProcess[str]:
+    """Run `python args...` in engine `name`'s environment with a timeout; output captured."""
+    python = engine_python(name)
+    full_env = {**os.environ, **(env or {})}
+    full_env.pop("VIRTUAL_ENV", None)
+    return subprocess.run(
+        [python, *args],
+        cwd=ROOT,
+        env=full_env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
