@@ -61,6 +61,11 @@ def torn_cmd(quick: bool, out: str, seconds: float | None, readers: int) -> None
     report.write_json(out, "torn", result)
 
 
+def _ci(cmp: dict) -> str:
+    lo, hi = cmp["ci95"]
+    return f"{lo:.3f}-{hi:.3f}"
+
+
 @bench.command(name="agent")
 @quick_option
 @out_option
@@ -72,15 +77,16 @@ def agent_cmd(quick: bool, out: str) -> None:
     report.print_table(
         f"agent publish per step, 4 pools (big: {r['big_pool_blocks']:,} blocks, "
         f"{r['deferred_requests']:,} deferred requests holding {r['deferred_blocks']:,} blocks)",
-        ["condition", "n", "median ns", "p99 ns", "ratio to idle"],
+        ["condition", "n", "median ns", "p99 ns", "ratio to idle", "round ratio 95% CI"],
         [
-            ["idle", r["idle"]["n"], r["idle"]["median_ns"], r["idle"]["p99_ns"], 1.0],
+            ["idle", r["idle"]["n"], r["idle"]["median_ns"], r["idle"]["p99_ns"], 1.0, "-"],
             [
                 "big",
                 r["big"]["n"],
                 r["big"]["median_ns"],
                 r["big"]["p99_ns"],
                 r["ratio_big_over_idle"],
+                _ci(r["big_vs_idle"]),
             ],
         ],
     )
@@ -136,21 +142,56 @@ def all_cmd(ctx: click.Context, quick: bool, out: str) -> None:
     show_default=True,
     help="Size of the square matmul in each engine step.",
 )
-def observer_cmd(quick: bool, out: str, matmul: int) -> None:
+@click.option(
+    "--layout",
+    "layouts",
+    type=click.Choice(["pinned", "shared"]),
+    multiple=True,
+    default=("pinned", "shared"),
+    show_default=True,
+    help="Core layouts to measure: pinned (engine on core 0, observers on the rest) "
+    "and/or shared (no pinning).",
+)
+def observer_cmd(quick: bool, out: str, matmul: int, layouts: tuple[str, ...]) -> None:
     """Engine step time under no observer, kvsidecar, in-process exporter, locked snapshot."""
     from kvsidecar.agent.bench import observer as bench_observer
+    from kvsidecar.bench import stats
 
-    r = bench_observer.run(quick=quick, matmul=matmul)
-    rows = [
-        [c, v["n"], v["p50_ms"], v["p99_ms"], v["max_ms"], v["p50_ratio"], v["p99_ratio"]]
-        for c, v in r["conditions"].items()
-    ]
-    report.print_table(
-        f"observer effect: engine step (matmul {r['matmul']}, {r['rounds']} interleaved rounds "
-        f"x {r['steps_per_round']} steps, scrapes at {r['scrape_hz']:g} Hz)",
-        ["condition", "steps", "p50 ms", "p99 ms", "max ms", "p50 ratio", "p99 ratio"],
-        rows,
-    )
+    r = bench_observer.run(quick=quick, matmul=matmul, layouts=layouts)
+    for layout, res in r["layouts"].items():
+        rows = []
+        for c, v in res["conditions"].items():
+            cmp = v.get("p99_vs_none")
+            rows.append(
+                [
+                    c,
+                    v["n"],
+                    v["p50_ms"],
+                    v["p99_ms"],
+                    v["p99_ratio"],
+                    "-"
+                    if cmp is None
+                    else f"{cmp['min']:.3f}/{cmp['median']:.3f}/{cmp['max']:.3f}",
+                    "-" if cmp is None else f"{cmp['ci95'][0]:.3f}-{cmp['ci95'][1]:.3f}",
+                    "-" if cmp is None or c != "kvsidecar" else stats.verdict(cmp),
+                ]
+            )
+        report.print_table(
+            f"observer effect, {layout} cores (matmul {r['matmul']}, {r['rounds']} interleaved "
+            f"rounds x {r['steps_per_round']} steps, scrapes at {r['scrape_hz']:g} Hz; ratios "
+            f"vs the same round's none; target: 95% upper bound <= {r['target_p99_ratio']})",
+            [
+                "condition",
+                "steps",
+                "p50 ms",
+                "p99 ms",
+                "pooled p99 ratio",
+                "round p99 ratio min/med/max",
+                "95% CI (geomean)",
+                "verdict",
+            ],
+            rows,
+        )
     report.write_json(out, "observer", r)
 
 
@@ -201,7 +242,14 @@ def scaling_cmd(quick: bool, out: str) -> None:
     r = bench_scaling.run(quick=quick)
     report.print_table(
         "scaling: agent step (publish) time, 4 pools",
-        ["blocks", "deferred requests", "median ns", "p99 ns", "ratio to smallest"],
+        [
+            "blocks",
+            "deferred requests",
+            "median ns",
+            "p99 ns",
+            "ratio to smallest",
+            "round ratio 95% CI",
+        ],
         [
             [
                 p["blocks"],
@@ -209,6 +257,7 @@ def scaling_cmd(quick: bool, out: str) -> None:
                 p["median_ns"],
                 p["p99_ns"],
                 p["ratio_to_smallest"],
+                _ci(p["round_ratio"]),
             ]
             for p in r["points"]
         ],

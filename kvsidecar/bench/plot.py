@@ -31,16 +31,22 @@ def main(results: str = "bench-results", out: str = "docs/img") -> list[str]:
     made = []
 
     if (obs := _load(results, "observer")) is not None:
-        conds = list(obs["conditions"])
-        p50 = [obs["conditions"][c]["p50_ratio"] for c in conds]
-        p99 = [obs["conditions"][c]["p99_ratio"] for c in conds]
+        layouts = obs["layouts"]
+        conds = [c for c in next(iter(layouts.values()))["conditions"] if c != "none"]
         fig, ax = plt.subplots(figsize=(7, 3.6))
-        xs = range(len(conds))
-        ax.bar([x - 0.2 for x in xs], p50, 0.4, label="p50 / no observer")
-        ax.bar([x + 0.2 for x in xs], p99, 0.4, label="p99 / no observer")
+        width = 0.8 / len(layouts)
+        for k, (layout, res) in enumerate(layouts.items()):
+            cmps = [res["conditions"][c]["p99_vs_none"] for c in conds]
+            xs = [i - 0.4 + width * (k + 0.5) for i in range(len(conds))]
+            mid = [c["geomean"] for c in cmps]
+            err = [
+                [m - c["ci95"][0] for m, c in zip(mid, cmps)],
+                [c["ci95"][1] - m for m, c in zip(mid, cmps)],
+            ]
+            ax.bar(xs, mid, width, yerr=err, capsize=3, label=f"{layout} cores")
         ax.axhline(1.05, color="k", ls="--", lw=1, label="target 1.05x (kvsidecar p99)")
-        ax.set_xticks(list(xs), conds)
-        ax.set_ylabel("engine step time ratio")
+        ax.set_xticks(list(range(len(conds))), conds)
+        ax.set_ylabel("p99 step time / none (95% CI)")
         ax.set_title("Observer effect on an engine loop (scrapes at 20 Hz)")
         ax.legend(fontsize=8)
         made.append(_save(fig, out, "observer.png"))
