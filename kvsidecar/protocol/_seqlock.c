@@ -44,7 +44,7 @@
  * The latch itself (latch_publish, latch_read) uses no Python API: with
  * -DKVSIDECAR_LATCH_ONLY this file compiles without Python.h, which is how
  * tests/protocol/aarch64/stress.c runs these exact code paths under qemu.
- * They are noinline so the fence checks (tests/protocol/test_fences.py) find
+ * They are noinline so the fence checks (tests/protocol/test_fences_*.py) find
  * them as functions of their own in the compiler's output.
  */
 #define _GNU_SOURCE
