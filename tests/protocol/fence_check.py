@@ -90,12 +90,16 @@ def have_aarch64_cc() -> bool:
 
 
 def _compile(cc: str, src: str, out_dir: str, extra: list[str]) -> None:
-    inc = python_include()
-    if inc is None:
-        raise FileNotFoundError("Python.h not found (python3-dev)")
-    # Python's own pyconfig.h is the host's; for aarch64 that is harmless here (both
-    # LP64 little-endian Linux) and we only read the assembly, never link it.
-    cmd = [cc, *CFLAGS, f"-I{inc}", *extra, src]
+    if cc == AARCH64_CC:
+        # No aarch64 Python headers here: the latch alone, which needs none (the
+        # Python wrappers around it are the same on every architecture).
+        extra = ["-DKVSIDECAR_LATCH_ONLY", *extra]
+    else:
+        inc = python_include()
+        if inc is None:
+            raise FileNotFoundError("Python.h not found (python3-dev)")
+        extra = [f"-I{inc}", *extra]  # the module as setup.py builds it
+    cmd = [cc, *CFLAGS, *extra, src]
     proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
         raise RuntimeError(f"{' '.join(cmd)} failed:\n{proc.stderr[-2000:]}")

@@ -23,7 +23,8 @@ COMPILERS = ["gcc", fc.AARCH64_CC]
 @pytest.fixture(params=COMPILERS)
 def cc(request) -> str:
     require(shutil.which(request.param) is not None, f"{request.param} not installed")
-    require(fc.python_include() is not None, "Python.h not found (python3-dev)")
+    if request.param == "gcc":  # the host build includes Python.h, the aarch64 one does not
+        require(fc.python_include() is not None, "Python.h not found (python3-dev)")
     return request.param
 
 
