@@ -289,6 +289,8 @@ def _fields_struct(fields: list[tuple[int, str]]) -> struct.Struct:
     """One Struct that picks (offset, format code) fields out of the header, padding between."""
     fmt, at = "<", 0
     for offset, code in fields:
+        if offset < at:
+            raise ValueError(f"header fields must be in offset order (offset {offset} < {at})")
         fmt += f"{offset - at}x{code}" if offset > at else code
         at = offset + struct.calcsize("<" + code)
     return struct.Struct(fmt)
