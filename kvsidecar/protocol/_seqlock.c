@@ -40,15 +40,31 @@
  * Like HotSpot's handling of faults in mapped files, the copy runs under a
  * thread-local sigjmp_buf and the handler jumps back, turning the fault into
  * an error status. Faults outside a guarded copy go to the previous handler.
+ *
+ * The latch itself (latch_publish, latch_read) uses no Python API: with
+ * -DKVSIDECAR_LATCH_ONLY this file compiles without Python.h, which is how
+ * tests/protocol/aarch64/stress.c runs these exact code paths under qemu.
+ * They are noinline so the fence checks (tests/protocol/test_fences_*.py) find
+ * them as functions of their own in the compiler's output; with LATCH_ONLY they
+ * are emitted even unused, so the checks need no Python headers for aarch64.
  */
-#define PY_SSIZE_T_CLEAN
 #define _GNU_SOURCE
+#ifndef KVSIDECAR_LATCH_ONLY
+#define PY_SSIZE_T_CLEAN
 #include <Python.h>
+#endif
 #include <setjmp.h>
+#include <sys/stat.h>
 #include <signal.h>
 #include <stdint.h>
 #include <string.h>
 #include <time.h>
+
+#ifdef KVSIDECAR_LATCH_ONLY
+#define LATCH_FN static __attribute__((noinline, noclone, used))
+#else
+#define LATCH_FN static __attribute__((noinline, noclone))
+#endif
 
 /* Header offsets used here; must match layout.py (tested). */
 #define OFF_PUBLISHED_SEQ 64
@@ -67,6 +83,8 @@ enum {
     ST_BAD_CRC = 4,
     ST_SIGBUS = 5,
     ST_BAD_SLOT = 6,
+    ST_TRUNCATED = 7, /* fstat: the file is now shorter than the mapping */
+    ST_TOO_BIG = 8,   /* publish: payload exceeds the slot capacity */
 };
 
 /* ---- CRC-32 (IEEE 802.3, reflected, poly 0xEDB88320), slicing-by-8 ---- */
@@ -111,7 +129,7 @@ static inline uint64_t now_ns(clockid_t clk) {
 }
 
 /* Slot geometry from the header, bounds-checked against the buffer. */
-static int slot_geometry(const uint8_t *base, Py_ssize_t len, uint32_t *off, uint32_t *stride,
+static int slot_geometry(const uint8_t *base, size_t len, uint32_t *off, uint32_t *stride,
                          uint32_t *cap) {
     if (len < 256) return -1;
     *off = ld32(base + OFF_SLOT_OFF);
@@ -123,94 +141,24 @@ static int slot_geometry(const uint8_t *base, Py_ssize_t len, uint32_t *off, uin
     return 0;
 }
 
-/* ------------------------------- writer -------------------------------- */
+/* ----------------------------- SIGBUS guard ----------------------------- */
 
 static _Thread_local sigjmp_buf *guard_jb = NULL;
-static void install_guard(void);
 
-static PyObject *py_publish(PyObject *self, PyObject *args) {
-    Py_buffer seg, payload;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "w*y*", &seg, &payload)) return NULL;
-    uint8_t *base = seg.buf;
-    uint32_t off, stride, cap;
-    PyObject *result = NULL;
-    /* Someone with write access (only the owner: segments are 0640) may truncate the
-     * file under us; touching lost pages would SIGBUS and kill the engine. Guarded,
-     * the publish fails with OSError instead and the agent disables itself. */
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_jb = NULL;
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        goto done;
-    }
-    guard_jb = &jb;
-    if (slot_geometry(base, seg.len, &off, &stride, &cap) != 0) {
-        guard_jb = NULL;
-        PyErr_SetString(PyExc_ValueError, "segment header has an invalid slot layout");
-        goto done;
-    }
-    if (payload.len > (Py_ssize_t)cap) {
-        guard_jb = NULL;
-        PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds slot capacity %u",
-                     payload.len, cap);
-        goto done;
-    }
-    uint64_t *seqp = (uint64_t *)(base + OFF_PUBLISHED_SEQ);
-    /* Only this writer stores published_seq, so a relaxed load is enough. */
-    uint64_t k = __atomic_load_n(seqp, __ATOMIC_RELAXED) + 1;
-    uint8_t *slot = base + off + (k & 1) * (uint64_t)stride;
-    uint32_t n = (uint32_t)payload.len;
-    uint32_t crc = crc32_ieee(payload.buf, n);
-
-    __atomic_thread_fence(__ATOMIC_RELEASE); /* W1: see the header comment */
-    memcpy(slot, &k, 8);
-    memcpy(slot + 8, &n, 4);
-    memcpy(slot + 12, &crc, 4);
-    memcpy(slot + SLOT_HEADER_LEN, payload.buf, n);
-    __atomic_thread_fence(__ATOMIC_RELEASE); /* W2: slot before sequence */
-    __atomic_store_n(seqp, k, __ATOMIC_RELAXED);
-    /* Heartbeats are single aligned 8-byte stores: never torn, no ordering needed. */
-    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
-                     __ATOMIC_RELAXED);
-    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
-                     __ATOMIC_RELAXED);
-    guard_jb = NULL;
-    result = PyLong_FromUnsignedLongLong(k);
-done:
-    PyBuffer_Release(&seg);
-    PyBuffer_Release(&payload);
-    return result;
+/* The handler reads guard_jb, but nothing else in the guarded region does: as plain
+ * stores, "guard_jb = &jb; memcpy(...); guard_jb = NULL" lets the compiler drop the
+ * first store as dead (GCC -O2 did, in guarded_copy: a truncated segment then killed
+ * the reader with SIGBUS). Atomic stores are kept; signal fences (compiler barriers,
+ * no instruction) keep the guarded accesses between them. */
+static inline void guard_set(sigjmp_buf *jb) {
+    __atomic_store_n(&guard_jb, jb, __ATOMIC_RELAXED);
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
 }
 
-static PyObject *py_heartbeat(PyObject *self, PyObject *arg) {
-    Py_buffer seg;
-    (void)self;
-    if (PyObject_GetBuffer(arg, &seg, PyBUF_WRITABLE) < 0) return NULL;
-    if (seg.len < 256) {
-        PyBuffer_Release(&seg);
-        PyErr_SetString(PyExc_ValueError, "segment too small");
-        return NULL;
-    }
-    uint8_t *base = seg.buf;
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_jb = NULL;
-        PyBuffer_Release(&seg);
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        return NULL;
-    }
-    guard_jb = &jb;
-    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
-                     __ATOMIC_RELAXED);
-    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
-                     __ATOMIC_RELAXED);
-    guard_jb = NULL;
-    PyBuffer_Release(&seg);
-    Py_RETURN_NONE;
+static inline void guard_clear(void) {
+    __atomic_signal_fence(__ATOMIC_SEQ_CST);
+    __atomic_store_n(&guard_jb, NULL, __ATOMIC_RELAXED);
 }
-
-/* ----------------------------- SIGBUS guard ----------------------------- */
 
 static struct sigaction previous_sigbus;
 
@@ -219,7 +167,8 @@ static int guard_installed = 0;
 static void on_sigbus(int sig, siginfo_t *info, void *uctx) {
     (void)info;
     (void)uctx;
-    if (guard_jb != NULL) siglongjmp(*guard_jb, 1);
+    sigjmp_buf *jb = __atomic_load_n(&guard_jb, __ATOMIC_RELAXED);
+    if (jb != NULL) siglongjmp(*jb, 1);
     /* Not ours: restore the previous disposition; the faulting access re-executes
      * on return and is handled (or kills the process) as it would without us. */
     sigaction(sig, &previous_sigbus, NULL);
@@ -241,76 +190,98 @@ static void install_guard(void) {
 static int guarded_copy(uint8_t *dst, const uint8_t *src, size_t n) {
     sigjmp_buf jb;
     if (sigsetjmp(jb, 0) != 0) {
-        guard_jb = NULL;
+        guard_clear();
         return -1;
     }
-    guard_jb = &jb;
+    guard_set(&jb);
     memcpy(dst, src, n);
-    guard_jb = NULL;
+    guard_clear();
     return 0;
+}
+
+/* ------------------------------- writer -------------------------------- */
+
+/* Publish payload[0, n) as the next snapshot: ST_OK and the new sequence number
+ * in *k_out, or ST_BAD_LAYOUT / ST_TOO_BIG / ST_SIGBUS. *cap_out is the slot capacity. */
+LATCH_FN int latch_publish(uint8_t *base, size_t len, const uint8_t *payload, size_t n,
+                           uint64_t *k_out, uint32_t *cap_out) {
+    uint32_t off, stride, cap;
+    /* Someone with write access (only the owner: segments are 0640) may truncate the
+     * file under us; touching lost pages would SIGBUS and kill the engine. Guarded,
+     * the publish fails instead and the agent disables itself. */
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        return ST_SIGBUS;
+    }
+    guard_set(&jb);
+    if (slot_geometry(base, len, &off, &stride, &cap) != 0) {
+        guard_clear();
+        return ST_BAD_LAYOUT;
+    }
+    *cap_out = cap;
+    if (n > cap) {
+        guard_clear();
+        return ST_TOO_BIG;
+    }
+    uint64_t *seqp = (uint64_t *)(base + OFF_PUBLISHED_SEQ);
+    /* Only this writer stores published_seq, so a relaxed load is enough. */
+    uint64_t k = __atomic_load_n(seqp, __ATOMIC_RELAXED) + 1;
+    uint8_t *slot = base + off + (k & 1) * (uint64_t)stride;
+    uint32_t n32 = (uint32_t)n;
+    uint32_t crc = crc32_ieee(payload, n);
+
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* W1: see the header comment */
+    memcpy(slot, &k, 8);
+    memcpy(slot + 8, &n32, 4);
+    memcpy(slot + 12, &crc, 4);
+    memcpy(slot + SLOT_HEADER_LEN, payload, n);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* W2: slot before sequence */
+    __atomic_store_n(seqp, k, __ATOMIC_RELAXED);
+    /* Heartbeats are single aligned 8-byte stores: never torn, no ordering needed. */
+    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
+                     __ATOMIC_RELAXED);
+    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
+                     __ATOMIC_RELAXED);
+    guard_clear();
+    *k_out = k;
+    return ST_OK;
 }
 
 /* ------------------------------- reader -------------------------------- */
 
-/* read_latest(seg, retries) -> (status, seq, header: bytes|None, payload: bytes|None, attempts) */
-static PyObject *py_read_latest(PyObject *self, PyObject *args) {
-    Py_buffer seg;
-    int retries = 8;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "y*|i", &seg, &retries)) return NULL;
-    install_guard();
-    const uint8_t *base = seg.buf;
-    uint8_t header[256];
-    uint8_t *scratch = NULL;
+/* The read loop over a validated slot geometry. scratch holds cap + SLOT_HEADER_LEN
+ * bytes; on ST_OK it holds the slot header and payload of snapshot *s_out. */
+LATCH_FN int latch_read(const uint8_t *base, uint32_t off, uint32_t stride, uint32_t cap,
+                        int retries, uint8_t *scratch, uint64_t *s_out, uint32_t *n_out,
+                        int *attempts_out) {
     int status = ST_RETRIES_EXHAUSTED;
     uint64_t s = 0;
     uint32_t n = 0;
-    int attempt = 0;
-    PyObject *result = NULL;
-
-    if (seg.len < 256 || guarded_copy(header, base, 256) != 0) {
-        status = seg.len < 256 ? ST_BAD_LAYOUT : ST_SIGBUS;
-        goto out;
-    }
-    uint32_t off, stride, cap;
-    if (slot_geometry(header, seg.len, &off, &stride, &cap) != 0) {
-        status = ST_BAD_LAYOUT;
-        goto out;
-    }
-    scratch = PyMem_Malloc((size_t)cap + SLOT_HEADER_LEN);
-    if (scratch == NULL) {
-        PyBuffer_Release(&seg);
-        return PyErr_NoMemory();
-    }
+    volatile int attempt; /* live across sigsetjmp */
     const uint64_t *seqp = (const uint64_t *)(base + OFF_PUBLISHED_SEQ);
     for (attempt = 1; attempt <= retries; attempt++) {
+        *attempts_out = attempt;
         /* The slot's loads may not move above this load (acquire). Also a
          * guarded access: this page can vanish too. */
         sigjmp_buf jb;
         if (sigsetjmp(jb, 0) != 0) {
-            guard_jb = NULL;
-            status = ST_SIGBUS;
-            goto out;
+            guard_clear();
+            return ST_SIGBUS;
         }
-        guard_jb = &jb;
+        guard_set(&jb);
         s = __atomic_load_n(seqp, __ATOMIC_ACQUIRE);
-        guard_jb = NULL;
-        if (s == 0) {
-            status = ST_NOT_PUBLISHED;
-            goto out;
-        }
+        guard_clear();
+        *s_out = s;
+        if (s == 0) return ST_NOT_PUBLISHED;
         const uint8_t *slot = base + off + (s & 1) * (uint64_t)stride;
-        if (guarded_copy(scratch, slot, SLOT_HEADER_LEN) != 0) {
-            status = ST_SIGBUS;
-            goto out;
-        }
+        if (guarded_copy(scratch, slot, SLOT_HEADER_LEN) != 0) return ST_SIGBUS;
         n = ld32(scratch + 8);
         if (n > cap) { /* a lapped read, or a corrupt slot; re-check decides */
             n = 0;
             status = ST_BAD_SLOT;
         } else if (guarded_copy(scratch + SLOT_HEADER_LEN, slot + SLOT_HEADER_LEN, n) != 0) {
-            status = ST_SIGBUS;
-            goto out;
+            return ST_SIGBUS;
         } else {
             status = ST_OK;
         }
@@ -329,16 +300,124 @@ static PyObject *py_read_latest(PyObject *self, PyObject *args) {
             status = ST_BAD_CRC;
             continue;
         }
-        status = ST_OK;
-        break;
+        *n_out = n;
+        return ST_OK;
     }
-    if (attempt > retries) attempt = retries;
+    return status;
+}
+
+#ifndef KVSIDECAR_LATCH_ONLY
+/* ---------------------------- Python wrappers ---------------------------- */
+
+static PyObject *py_publish(PyObject *self, PyObject *args) {
+    Py_buffer seg, payload;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*y*", &seg, &payload)) return NULL;
+    uint64_t k = 0;
+    uint32_t cap = 0;
+    int status = latch_publish(seg.buf, (size_t)seg.len, payload.buf, (size_t)payload.len, &k,
+                               &cap);
+    PyObject *result = NULL;
+    if (status == ST_OK)
+        result = PyLong_FromUnsignedLongLong(k);
+    else if (status == ST_SIGBUS)
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+    else if (status == ST_TOO_BIG)
+        PyErr_Format(PyExc_ValueError, "payload of %zd bytes exceeds slot capacity %u",
+                     payload.len, cap);
+    else
+        PyErr_SetString(PyExc_ValueError, "segment header has an invalid slot layout");
+    PyBuffer_Release(&seg);
+    PyBuffer_Release(&payload);
+    return result;
+}
+
+static PyObject *py_heartbeat(PyObject *self, PyObject *arg) {
+    Py_buffer seg;
+    (void)self;
+    if (PyObject_GetBuffer(arg, &seg, PyBUF_WRITABLE) < 0) return NULL;
+    if (seg.len < 256) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "segment too small");
+        return NULL;
+    }
+    uint8_t *base = seg.buf;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        return NULL;
+    }
+    guard_set(&jb);
+    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
+                     __ATOMIC_RELAXED);
+    __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
+                     __ATOMIC_RELAXED);
+    guard_clear();
+    PyBuffer_Release(&seg);
+    Py_RETURN_NONE;
+}
+
+/* read_latest(seg, retries=8, fd=-1)
+ *   -> (status, seq, header: bytes|None, payload: bytes|None, attempts)
+ * With fd >= 0 the file is fstat'ed first: shorter than the mapping is ST_TRUNCATED
+ * (doing it here saves building an os.stat_result per read). FASTCALL: this is the
+ * daemon's per-target, per-poll call. */
+static PyObject *py_read_latest(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    Py_buffer seg;
+    long retries = 8, fd = -1;
+    (void)self;
+    if (nargs < 1 || nargs > 3) {
+        PyErr_SetString(PyExc_TypeError, "read_latest(segment, retries=8, fd=-1)");
+        return NULL;
+    }
+    if (nargs > 1 && (retries = PyLong_AsLong(args[1])) == -1 && PyErr_Occurred()) return NULL;
+    if (nargs > 2 && (fd = PyLong_AsLong(args[2])) == -1 && PyErr_Occurred()) return NULL;
+    if (retries > 1000000) retries = 1000000; /* fits an int; < 1 reads nothing */
+    if (PyObject_GetBuffer(args[0], &seg, PyBUF_SIMPLE) < 0) return NULL;
+    install_guard();
+    const uint8_t *base = seg.buf;
+    uint8_t header[256];
+    uint8_t *scratch = NULL;
+    int status;
+    uint64_t s = 0;
+    uint32_t n = 0;
+    int attempt = 0;
+    PyObject *result = NULL;
+
+    if (fd >= 0) {
+        struct stat st;
+        if (fstat((int)fd, &st) != 0) {
+            PyBuffer_Release(&seg);
+            return PyErr_SetFromErrno(PyExc_OSError);
+        }
+        if (st.st_size < (off_t)seg.len) {
+            status = ST_TRUNCATED;
+            goto out;
+        }
+    }
+    if (seg.len < 256 || guarded_copy(header, base, 256) != 0) {
+        status = seg.len < 256 ? ST_BAD_LAYOUT : ST_SIGBUS;
+        goto out;
+    }
+    uint32_t off, stride, cap;
+    if (slot_geometry(header, (size_t)seg.len, &off, &stride, &cap) != 0) {
+        status = ST_BAD_LAYOUT;
+        goto out;
+    }
+    scratch = PyMem_Malloc((size_t)cap + SLOT_HEADER_LEN);
+    if (scratch == NULL) {
+        PyBuffer_Release(&seg);
+        return PyErr_NoMemory();
+    }
+    status = latch_read(base, off, stride, cap, (int)retries, scratch, &s, &n, &attempt);
 out:
     if (status == ST_OK) {
         result = Py_BuildValue("iKy#y#i", status, (unsigned long long)s, (const char *)header,
                                (Py_ssize_t)256, (const char *)scratch + SLOT_HEADER_LEN,
                                (Py_ssize_t)n, attempt);
-    } else if (status == ST_SIGBUS || status == ST_BAD_LAYOUT) {
+    } else if (status == ST_SIGBUS || status == ST_BAD_LAYOUT || status == ST_TRUNCATED) {
         result = Py_BuildValue("iKOOi", status, (unsigned long long)s, Py_None, Py_None, attempt);
     } else {
         result = Py_BuildValue("iKy#Oi", status, (unsigned long long)s, (const char *)header,
@@ -348,7 +427,6 @@ out:
     PyBuffer_Release(&seg);
     return result;
 }
-
 /* copy_range(seg, offset, length) -> bytes | None (None: pages gone or out of range) */
 static PyObject *py_copy_range(PyObject *self, PyObject *args) {
     Py_buffer seg;
@@ -409,8 +487,8 @@ static PyMethodDef methods[] = {
     {"publish", py_publish, METH_VARARGS,
      "publish(segment, payload) -> seq: write payload into the next slot and publish it."},
     {"heartbeat", py_heartbeat, METH_O, "heartbeat(segment): store both heartbeat clocks."},
-    {"read_latest", py_read_latest, METH_VARARGS,
-     "read_latest(segment, retries=8) -> (status, seq, header, payload, attempts)."},
+    {"read_latest", (PyCFunction)(void (*)(void))py_read_latest, METH_FASTCALL,
+     "read_latest(segment, retries=8, fd=-1) -> (status, seq, header, payload, attempts)."},
     {"copy_range", py_copy_range, METH_VARARGS,
      "copy_range(segment, offset, length) -> bytes or None if the pages are gone."},
     {"crc32", py_crc32, METH_O, "crc32(data) -> int, identical to zlib.crc32."},
@@ -437,6 +515,7 @@ PyMODINIT_FUNC PyInit__seqlock(void) {
     PyModule_AddIntConstant(m, "BAD_CRC", ST_BAD_CRC);
     PyModule_AddIntConstant(m, "SIGBUS", ST_SIGBUS);
     PyModule_AddIntConstant(m, "BAD_SLOT", ST_BAD_SLOT);
+    PyModule_AddIntConstant(m, "TRUNCATED", ST_TRUNCATED);
     PyModule_AddIntConstant(m, "OFF_PUBLISHED_SEQ", OFF_PUBLISHED_SEQ);
     PyModule_AddIntConstant(m, "OFF_HEARTBEAT_MONO", OFF_HEARTBEAT_MONO);
     PyModule_AddIntConstant(m, "OFF_HEARTBEAT_WALL", OFF_HEARTBEAT_WALL);
@@ -446,3 +525,4 @@ PyMODINIT_FUNC PyInit__seqlock(void) {
     PyModule_AddIntConstant(m, "SLOT_HEADER_LEN", SLOT_HEADER_LEN);
     return m;
 }
+#endif /* KVSIDECAR_LATCH_ONLY */
