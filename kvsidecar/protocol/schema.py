@@ -36,7 +36,7 @@ SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 ROLES = ("prefill", "decode", "both")
 
 
-class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True):
+class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     """Engine-process state for one rank. Counts are instantaneous unless named ``*_total``."""
 
     schema_version: str = SCHEMA_VERSION
@@ -65,7 +65,7 @@ class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True):
     last_publish_duration_ns: int = 0
 
 
-class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True):
+class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     """One KV-cache pool (kvcached #385 names where they exist).
 
     Block counts are in blocks; ``*_bytes`` are whole-pool bytes
@@ -127,7 +127,7 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True):
     effective_free_pages: int | None = None
 
 
-class Snapshot(msgspec.Struct, array_like=True, kw_only=True):
+class Snapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     """What one slot of a segment carries: the runtime and every registered pool."""
 
     runtime: RuntimeSnapshot
