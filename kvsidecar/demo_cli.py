@@ -473,17 +473,23 @@ def demo(
         deadline = time.monotonic() + duration if duration else float("inf")
         started, want, seen_up = time.monotonic(), expected_segments(pd), set()
         while not stop.wait(0.2):
+            # An engine process can die under a launcher that lives on, or take the
+            # launcher down after it: its segment says which one it was (a killed writer
+            # leaves its file with no lock holder; the others close theirs cleanly).
+            states = engine_states(shm_dir)
+            lost = sorted(
+                # Only the definite verdicts: a read the writer lapped is not a death.
+                (n for n in seen_up if states.get(n, "not_found") in ("writer_dead", "not_found")),
+                key=lambda n: (states.get(n) != "writer_dead", n),
+            )
+            if lost and not stop.is_set():
+                why = states.get(lost[0], "not_found")
+                reason[0] = f"the engine writing {printable(lost[0])} died ({why})"
+                rc = 1
+                break
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
                 reason[0] = f"the {dead[0].name} exited with {dead[0].proc.returncode}"
-                rc = 1
-                break
-            # An engine process can die under a launcher that lives on: its segment says so.
-            states = engine_states(shm_dir)
-            lost = sorted(n for n in seen_up if states.get(n, "not_found") != "up")
-            if lost and not stop.is_set():
-                why = states.get(lost[0], "gone")
-                reason[0] = f"the engine writing {printable(lost[0])} died ({why})"
                 rc = 1
                 break
             up = {n for n, st in states.items() if st == "up"}
