@@ -114,6 +114,16 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
     return "\n".join(line[:width] for line in lines)
 
 
+_stale_after_option = click.option(
+    "--stale-after",
+    type=float,
+    default=5.0,
+    show_default=True,
+    envvar="KVSIDECAR_STALE_AFTER",
+    help="Heartbeat age that makes a writer stale.",
+)
+
+
 class _DumpCommand(click.Command):
     """``--watch -1`` is a range error, as ``--watch 0`` is: click would otherwise take
     ``-1`` (after an option whose value is optional) for an unknown option ``-1``."""
@@ -156,14 +166,7 @@ def _exit_code(views: list[TargetView]) -> int:
     default=0,
     help="With --watch: stop after N refreshes (0 = until Ctrl-C).",
 )
-@click.option(
-    "--stale-after",
-    type=float,
-    default=5.0,
-    show_default=True,
-    envvar="KVSIDECAR_STALE_AFTER",
-    help="Heartbeat age that makes a writer stale.",
-)
+@_stale_after_option
 @trust_options
 @click.argument("pattern", required=False)
 def dump(
@@ -238,14 +241,7 @@ def _watch(ts: TargetSet, interval: float, count: int, as_json: bool) -> None:
 @click.command(name="ls")
 @shm_dir_option
 @prefix_option
-@click.option(
-    "--stale-after",
-    type=float,
-    default=5.0,
-    show_default=True,
-    envvar="KVSIDECAR_STALE_AFTER",
-    help="Heartbeat age that makes a writer stale.",
-)
+@_stale_after_option
 @trust_options
 def ls(
     shm_dir: str,

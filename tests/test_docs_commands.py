@@ -23,7 +23,6 @@ import click
 import pytest
 
 from kvsidecar.cli import main
-from kvsidecar.cli_options import DEFAULT_PORT
 from tests.conftest import REPO
 
 DOCS = [Path(REPO) / "README.md", *sorted((Path(REPO) / "docs").glob("*.md"))]
@@ -124,6 +123,8 @@ def check_cli(args: list[str]) -> None:
 
 
 def check_paths(argv: list[str]) -> None:
+    from kvsidecar.cli_options import DEFAULT_PORT
+
     for a in argv:
         m = re.match(r"(deploy/[\w./-]+|docs/[\w./-]+|tests/[\w./-]+)", a)
         if m and "*" not in a:

@@ -21,7 +21,6 @@ import pytest
 from click.testing import CliRunner
 
 from kvsidecar.cli import main
-from kvsidecar.cli_options import DEFAULT_PORT, printable
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.conftest import REPO
@@ -126,6 +125,8 @@ def test_bench_torn_quick_ends(tmp_path: Path) -> None:
 
 
 def test_default_port_is_ours_everywhere() -> None:
+    from kvsidecar.cli_options import DEFAULT_PORT
+
     assert DEFAULT_PORT not in (9400, 9100, 9090, 9093, 9091)
     for path in [
         "deploy/kubernetes/deployment.yaml",
@@ -333,6 +334,8 @@ def test_ls_and_errors_escape_engine_strings(shm_dir: str) -> None:
         assert "\x1b" not in r.output
     finally:
         w.close()
+    from kvsidecar.cli_options import printable
+
     assert printable("a\x1bb\r\n\x9b\x7f") == "a\\x1bb\\r\\n\\x9b\\x7f"
     assert printable("tab\tok") == "tab\tok"
 
