@@ -197,7 +197,9 @@ def engine_states(shm_dir: str) -> dict[str, str]:
     from kvsidecar.protocol.reader import Reading, read_segment
 
     out = {}
-    for name in list_segments(shm_dir, prefix="kvsidecar."):
+    # The demo engine's names only (engine "demo"): with --shm-dir /dev/shm the directory
+    # can hold real engines' segments, which are none of the demo's business.
+    for name in list_segments(shm_dir, prefix="kvsidecar.demo."):
         r = read_segment(name, shm_dir=shm_dir)
         out[name] = "up" if isinstance(r, Reading) else r.kind
     return out

@@ -234,3 +234,11 @@ def test_document_states_what_the_code_does() -> None:
     assert "heartbeat_interval" in doc
     assert "kvsidecar-demo" not in schema and "`demo`" in schema
     assert "null block" in schema.split("| mapped_bytes", 1)[1].split("\n", 1)[0]
+    from kvsidecar.protocol import layout
+    from kvsidecar.protocol.schema import SCHEMA_MAJOR, SCHEMA_MINOR, current_capabilities
+
+    title = doc.splitlines()[0]
+    assert f"layout v{layout.LAYOUT_MAJOR}.{layout.LAYOUT_MINOR}" in title
+    assert f"schema v{SCHEMA_MAJOR}.{SCHEMA_MINOR}" in title
+    assert f'"schema_version": "{current_capabilities().schema_version}"' in doc
+    assert f'"schema_minor": {SCHEMA_MINOR}' in doc
