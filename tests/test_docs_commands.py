@@ -89,10 +89,13 @@ def simple_commands(line: str) -> list[list[str]]:
 def all_commands() -> list[tuple[str, str, list[str]]]:
     found = []
     for doc in DOCS:
-        for block in shell_blocks(doc.read_text()):
-            for line in commands(block):
-                for argv in simple_commands(line):
-                    found.append((doc.name, line, argv))
+        text = doc.read_text()
+        lines = [ln for block in shell_blocks(text) for ln in commands(block)]
+        # Inline commands meant to be pasted: `.venv/bin/...` in running text.
+        lines += re.findall(r"`(\.venv/bin/[^`]+)`", text)
+        for line in lines:
+            for argv in simple_commands(line):
+                found.append((doc.name, line, argv))
     return found
 
 
