@@ -15,8 +15,8 @@ from kvsidecar.protocol.names import DEFAULT_PREFIX, DEFAULT_SHM_DIR
 EXIT_OK, EXIT_NO_TARGET, EXIT_USAGE = 0, 1, 2
 
 # Our own default port. 9400 (what we had) is dcgm-exporter's, which every GPU node runs;
-# the Prometheus wiki's exporter block 9100-9999 is exhausted, so this follows the
-# block exporters have moved to since (39100 up). See docs/operations.md "Port".
+# the Prometheus wiki's exporter block 9100-9999 is exhausted and newer exporters have
+# moved above it (e.g. 39100). See docs/operations.md "Port".
 DEFAULT_PORT = 39440
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
 
