@@ -6,12 +6,15 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: run test lint bench bench-quick fuzz soak clean
+.PHONY: run test lint bench bench-quick fuzz soak clean venv dist
 
 $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[agent,dev]'
 	touch $(STAMP)
+
+# Just the environment: .venv/bin/kvsidecar and .venv/bin/python, as the docs use them.
+venv: $(STAMP)
 
 run: $(STAMP)
 	$(BIN)/kvsidecar demo $(ARGS)
@@ -30,8 +33,14 @@ bench: $(STAMP)
 bench-quick: $(STAMP)
 	$(BIN)/kvsidecar bench all --quick --out bench-results
 
+# A wheel and an sdist in dist/, to install the daemon elsewhere (docs/operations.md):
+# pip install dist/kvsidecar-<version>-*.whl (no compiler needed where it was built for).
+dist: $(STAMP)
+	rm -rf dist
+	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir dist .
+
 clean:
-	rm -rf $(VENV) build *.egg-info kvsidecar/protocol/*.so bench-results
+	rm -rf $(VENV) build dist *.egg-info kvsidecar/protocol/*.so bench-results
 
 # The full fuzz run (100,000 inputs each for the segment reader and the payload decoder).
 fuzz: $(STAMP)

@@ -2,18 +2,38 @@
 
 Every ``serve`` option (and the shared ``--shm-dir``/``--prefix``) has a
 ``KVSIDECAR_*`` environment twin, named explicitly on each option rather than
-derived by click, so the twins are exactly the documented ones.
+derived by click, so the twins are exactly the documented ones; ``--help`` shows
+each twin. Every command and subcommand takes ``--version``.
+
+Exit codes (all commands): 0 ok; 1 nothing to show or the check failed (no segment
+up, a torn read, a child that died); 2 usage error (bad option, missing directory,
+port in use). Shell completion: ``eval "$(_KVSIDECAR_COMPLETE=bash_source kvsidecar)"``
+(``zsh_source``, ``fish_source`` for the other shells).
 """
 
 from __future__ import annotations
 
 import click
 
+_VERSION = click.version_option(package_name="kvsidecar")
+
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
-@click.version_option(package_name="kvsidecar")
+@_VERSION
 def main() -> None:
     """kvsidecar: out-of-process KV-cache monitoring for LLM engines."""
+
+
+def _conventions(cmd: click.Command) -> None:
+    """--version on every (sub)command, and the env twin of each option in its --help."""
+    if not any("--version" in getattr(p, "opts", ()) for p in cmd.params):
+        cmd.params.extend(_VERSION(lambda: None).__click_params__)  # type: ignore[attr-defined]
+    for p in cmd.params:
+        if isinstance(p, click.Option) and p.envvar:
+            p.show_envvar = True
+    if isinstance(cmd, click.Group):
+        for sub in cmd.commands.values():
+            _conventions(sub)
 
 
 def _register() -> None:
@@ -30,6 +50,7 @@ def _register() -> None:
     main.add_command(selfcheck)
     main.add_command(serve)
     main.add_command(demo)
+    _conventions(main)
 
 
 _register()

@@ -3,6 +3,9 @@ command modules can import them without importing every other command)."""
 
 from __future__ import annotations
 
+import os
+import re
+from collections.abc import Iterable
 from typing import Any
 
 import click
@@ -10,6 +13,28 @@ import click
 from kvsidecar.protocol.names import DEFAULT_PREFIX, DEFAULT_SHM_DIR
 
 EXIT_OK, EXIT_NO_TARGET, EXIT_USAGE = 0, 1, 2
+
+# Our own default port. 9400 (what we had) is dcgm-exporter's, which every GPU node runs;
+# the Prometheus wiki's exporter block 9100-9999 is exhausted and newer exporters have
+# moved above it (e.g. 39100). See docs/operations.md "Port".
+DEFAULT_PORT = 39440
+DEFAULT_LISTEN = f":{DEFAULT_PORT}"
+
+# C0 controls (but not tab), DEL and C1 controls: an engine string carrying ESC or CR
+# could rewrite the operator's terminal (clear it, fake a line, set the title).
+_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
+
+
+def printable(text: object, style: str = "backslash") -> str:
+    """``text`` with every control character shown as an escape, for anything that prints
+    an engine-supplied string to a terminal or a log: ``\\x1b``, ``\\r`` (style
+    ``backslash``) or ``<0x1b>`` (style ``angle``, for formats with no backslash escapes)."""
+    s = str(text)
+    if not _CONTROL.search(s):
+        return s
+    if style == "angle":
+        return _CONTROL.sub(lambda m: f"<{ord(m.group()):#04x}>", s)
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], s)
 
 
 def shm_dir_option(f: Any) -> Any:
@@ -30,3 +55,42 @@ def prefix_option(f: Any) -> Any:
         show_default=True,
         help="Only segments whose name starts with this.",
     )(f)
+
+
+def trust_options(f: Any) -> Any:
+    """``--allow-uid`` (repeatable) and ``--allow-any-uid``, the same on every command that
+    reads segments, so the fix an error message names works wherever it is printed."""
+    f = click.option(
+        "--allow-any-uid",
+        is_flag=True,
+        envvar="KVSIDECAR_ALLOW_ANY_UID",
+        help="Trust segments of any owner (not recommended on shared hosts).",
+    )(f)
+    return click.option(
+        "--allow-uid",
+        "allow_uids",
+        multiple=True,
+        type=click.IntRange(0),
+        envvar="KVSIDECAR_ALLOW_UID",
+        metavar="UID",
+        help="Also trust segments owned by this uid (repeatable; the env twin is "
+        "space-separated). Default: own uid only.",
+    )(f)
+
+
+def allowed_uids(allow_uids: Iterable[int], allow_any_uid: bool) -> frozenset[int] | None:
+    """The uid set a reader trusts (None = any owner)."""
+    return None if allow_any_uid else frozenset({os.getuid(), *allow_uids})
+
+
+def require_dir(shm_dir: str) -> None:
+    """Exit with a usage error naming the option when the segment directory is missing
+    (otherwise the command would report 'no segments', which sends you looking elsewhere)."""
+    if not os.path.isdir(shm_dir):
+        what = "does not exist" if not os.path.exists(shm_dir) else "is not a directory"
+        click.echo(
+            f"kvsidecar: --shm-dir {printable(shm_dir)} {what}: create it or point "
+            "--shm-dir/KVSIDECAR_SHM_DIR at the agent's segment directory",
+            err=True,
+        )
+        raise SystemExit(EXIT_USAGE)

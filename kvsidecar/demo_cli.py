@@ -17,6 +17,7 @@ import contextlib
 import ctypes
 import importlib.util
 import os
+import shlex
 import shutil
 import signal
 import socket
@@ -28,9 +29,11 @@ from collections.abc import Callable
 
 import click
 
+from kvsidecar.cli_options import DEFAULT_PORT, printable
+from kvsidecar.logsetup import LEVELS
 from kvsidecar.stopflag import StopFlag
 
-DEFAULT_LISTEN = "127.0.0.1:9400"
+DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 STOP_GRACE_S = 10.0  # engines close their agents (unlink segments) within this
 
 
@@ -157,6 +160,51 @@ def argv(head: list[str], pairs: list[tuple[str, str]], flags: dict[str, object]
     return out
 
 
+def cli_command() -> str:
+    """How to run *this* kvsidecar from a fresh shell: plain ``kvsidecar`` only when that
+    is what PATH finds, else the script's absolute path (a venv that is not activated)."""
+    script = os.path.join(os.path.dirname(sys.executable), "kvsidecar")
+    if not os.path.exists(script):
+        return f"{shlex.quote(sys.executable)} -m kvsidecar"
+    found = shutil.which("kvsidecar")
+    if found and os.path.realpath(found) == os.path.realpath(script):
+        return "kvsidecar"
+    return shlex.quote(os.path.abspath(script))
+
+
+def say(text: str, err: bool = False) -> None:
+    """Print to stdout now. A reader that went away (``| head``, ``| tee`` killed by the
+    same Ctrl-C) must not turn into an exception in the middle of starting or stopping:
+    stdout goes to /dev/null from then on and the demo carries on, and cleans up."""
+    stream = sys.stderr if err else sys.stdout
+    try:
+        click.echo(text, file=stream)
+        stream.flush()
+    except (BrokenPipeError, ValueError):  # ValueError: the stream was closed
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, stream.fileno())
+            os.close(devnull)
+
+
+def expected_segments(pd: bool) -> int:
+    return 2 if pd else 1
+
+
+def engine_states(shm_dir: str) -> dict[str, str]:
+    """segment name -> "up", "dead", ... for what the engines have created so far."""
+    from kvsidecar.discovery import list_segments
+    from kvsidecar.protocol.reader import Reading, read_segment
+
+    out = {}
+    # The demo engine's names only (engine "demo"): with --shm-dir /dev/shm the directory
+    # can hold real engines' segments, which are none of the demo's business.
+    for name in list_segments(shm_dir, prefix="kvsidecar.demo."):
+        r = read_segment(name, shm_dir=shm_dir)
+        out[name] = "up" if isinstance(r, Reading) else r.kind
+    return out
+
+
 def banner(
     base_url: str,
     telemetry_path: str,
@@ -167,7 +215,9 @@ def banner(
     rate: float,
     duration: float,
 ) -> str:
-    watch = "kvsidecar dump --watch" + ("" if shm_dir == "/dev/shm" else f" --shm-dir {shm_dir}")
+    watch = f"{cli_command()} dump --watch" + (
+        "" if shm_dir == "/dev/shm" else f" --shm-dir {shlex.quote(shm_dir)}"
+    )
     note = " (private, removed at exit)" if private else ""
     until = f"Stopping after {duration:g}s." if duration else "Ctrl-C to stop."
     return (
@@ -177,7 +227,8 @@ def banner(
         f"  watch:     {watch}\n"
         f"  segments:  {shm_dir}{note}\n"
         f"  pids:      {pids}\n"
-        f"{until}"
+        f"{until} The engines are starting (building and warming up the model: "
+        "kvsidecar_sources stays 0 until their segments appear); a line follows when they are up."
     )
 
 
@@ -303,9 +354,11 @@ def banner(
 )
 @click.option("--prefix", default=None, help="Daemon: only segments starting with this.")
 @click.option(
+    "--log.level",
     "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="warning",
+    "log_level",
+    type=click.Choice([*LEVELS, "warning"], case_sensitive=False),
+    default="warn",
     show_default=True,
     help="Daemon log level.",
 )
@@ -349,12 +402,23 @@ def demo(
             raise click.BadParameter(f"{a} is in use", param_hint="--web.listen-address")
     host, port = split_address(addresses[0])
 
+    if shm_dir is not None and not os.path.isdir(shm_dir):
+        raise click.BadParameter(f"{shm_dir} is not a directory", param_hint="--shm-dir")
+    stop = StopFlag()
+    reason = ["error"]  # why we stop: a signal name, "duration", or what went wrong
+
+    def on_signal(signum: int, _frame: object) -> None:
+        reason[0] = signal.Signals(signum).name
+        stop.set()
+
+    # Before the private directory and any child exist: from here on a signal (Ctrl-C on
+    # `demo | tee log` reaches tee and us alike) is handled, never fatal, so the cleanup
+    # below always runs.
+    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     private = shm_dir is None
     if private:
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         shm_dir = tempfile.mkdtemp(prefix="kvsidecar-demo-", dir=base)
-    elif not os.path.isdir(shm_dir):
-        raise click.BadParameter(f"{shm_dir} is not a directory", param_hint="--shm-dir")
 
     serve = argv(
         ["kvsidecar", "serve", "--shm-dir", shm_dir],
@@ -366,7 +430,7 @@ def demo(
             "--poll-interval": poll_interval,
             "--stale-after": stale_after,
             "--prefix": prefix,
-            "--log-level": log_level,
+            "--log.level": log_level,
         },
     )
     engine = argv(
@@ -384,15 +448,6 @@ def demo(
         },
     ) + list(engine_args)
 
-    stop = StopFlag()
-    reason = ["error"]  # why we stop: a signal name, "duration", or what went wrong
-
-    def on_signal(signum: int, _frame: object) -> None:
-        reason[0] = signal.Signals(signum).name
-        stop.set()
-
-    # Before any child exists: from here on a signal is handled, never fatal.
-    old = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
     children: list[Child] = []
     rc = 0
     try:
@@ -403,7 +458,7 @@ def demo(
             raise click.ClickException(f"the daemon did not start listening on {addresses[0]}")
         if not stop.is_set():
             scheme = "https" if tls_configured(web_config_file) else "http"
-            click.echo(
+            say(
                 banner(
                     f"{scheme}://{url_host(host)}:{port}",
                     telemetry_path,
@@ -417,31 +472,50 @@ def demo(
                     duration,
                 )
             )
-            sys.stdout.flush()
         deadline = time.monotonic() + duration if duration else float("inf")
+        started, want, seen_up = time.monotonic(), expected_segments(pd), set()
         while not stop.wait(0.2):
+            # An engine process can die under a launcher that lives on, or take the
+            # launcher down after it: its segment says which one it was (a killed writer
+            # leaves its file with no lock holder; the others close theirs cleanly).
+            states = engine_states(shm_dir)
+            lost = sorted(
+                # Only the definite verdicts: a read the writer lapped is not a death.
+                (n for n in seen_up if states.get(n, "not_found") in ("writer_dead", "not_found")),
+                key=lambda n: (states.get(n) != "writer_dead", n),
+            )
+            if lost and not stop.is_set():
+                why = states.get(lost[0], "not_found")
+                reason[0] = f"the engine writing {printable(lost[0])} died ({why})"
+                rc = 1
+                break
             dead = [c for c in children if c.proc.poll() is not None]
             if dead:
                 reason[0] = f"the {dead[0].name} exited with {dead[0].proc.returncode}"
                 rc = 1
                 break
+            up = {n for n, st in states.items() if st == "up"}
+            if len(up) >= want and len(seen_up) < want:
+                say(
+                    f"kvsidecar demo: engines up after {time.monotonic() - started:.1f}s: "
+                    + ", ".join(printable(n) for n in sorted(up))
+                )
+            seen_up |= up
             if time.monotonic() >= deadline:
                 reason[0] = "duration"
                 break
     finally:
         if children:
-            click.echo(f"kvsidecar demo: stopping ({reason[0]})", err=True)
+            say(f"kvsidecar demo: stopping ({reason[0]})", err=True)
         killed = stop_children(children)
         if killed:
-            click.echo(f"kvsidecar demo: killed {', '.join(killed)} (no clean exit)", err=True)
+            say(f"kvsidecar demo: killed {', '.join(killed)} (no clean exit)", err=True)
             rc = rc or 1
         for sig, handler in old.items():
             signal.signal(sig, handler)
         leftovers = sorted(os.listdir(shm_dir)) if os.path.isdir(shm_dir) else []
         if leftovers:  # an engine that did not close its agent
-            click.echo(
-                f"kvsidecar demo: segments left in {shm_dir}: {' '.join(leftovers)}", err=True
-            )
+            say(f"kvsidecar demo: segments left in {shm_dir}: {' '.join(leftovers)}", err=True)
         if private:
             shutil.rmtree(shm_dir, ignore_errors=True)
     sys.exit(rc)

@@ -9,6 +9,7 @@ stderr.
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import sys
 import time
@@ -16,17 +17,32 @@ import time
 import click
 import msgspec
 
-from kvsidecar.cli_options import EXIT_NO_TARGET, EXIT_OK, prefix_option, shm_dir_option
+from kvsidecar.cli_options import (
+    EXIT_NO_TARGET,
+    EXIT_OK,
+    allowed_uids,
+    prefix_option,
+    printable,
+    require_dir,
+    shm_dir_option,
+    trust_options,
+)
 from kvsidecar.daemon.app import view_record
 from kvsidecar.daemon.targets import UP, TargetSet, TargetView
 
 _JSON = msgspec.json.Encoder()
+MIN_WATCH = 0.1
+_NEGATIVE = re.compile(r"-[0-9.]+(e[-+]?[0-9]+)?", re.I)
 
 
 def _targets(
-    shm_dir: str, prefix: str, pattern: str | None, stale_after: float, allow_any_uid: bool
+    shm_dir: str,
+    prefix: str,
+    pattern: str | None,
+    stale_after: float,
+    allowed: frozenset[int] | None,
 ) -> TargetSet:
-    allowed = None if allow_any_uid else frozenset({os.getuid()})
+    require_dir(shm_dir)
     ts = TargetSet(
         shm_dir,
         prefix=prefix if pattern is None else "",
@@ -36,7 +52,7 @@ def _targets(
     )
     ts.poll_all()
     for name, why in sorted(ts.refused.items()):
-        click.echo(f"kvsidecar: refused {name}: {why}", err=True)
+        click.echo(f"kvsidecar: refused {printable(name)}: {printable(why)}", err=True)
     return ts
 
 
@@ -55,26 +71,34 @@ def _n(value: int | None) -> str:
 
 
 def render_table(views: list[TargetView], width: int = 160) -> str:
-    """A top-style text table: one line per rank, one indented line per pool."""
+    """A top-style text table: one line per rank, one indented line per pool.
+
+    Every engine-supplied string is passed through `printable` (no raw ESC/CR reaches the
+    terminal), and the name column is as wide as the longest name: names differ at the end
+    (``...pp0``/``...pp1``), so they are never cut.
+    """
     now = time.monotonic_ns()
+    w = max([34, *(len(printable(v.name)) for v in views)])
     lines = [
-        f"{'SEGMENT':<34} {'STATE':<9} {'AGE':>6} {'ENGINE':<14} {'ROLE':<7} {'DP/TP/PP':<8} "
+        f"{'SEGMENT':<{w}} {'STATE':<9} {'AGE':>6} {'ENGINE':<14} {'ROLE':<7} {'DP/TP/PP':<8} "
         f"{'STEP':>9} {'RUN':>5} {'WAIT':>5} {'DEFER':>5}"
     ]
     for v in views:
+        name = printable(v.name)
         age = v.age_seconds(now)
         age_s = "-" if age is None else f"{age:.1f}s"
         if v.last is None:
-            lines.append(f"{v.name:<34} {v.state:<9} {age_s:>6}  {v.error}"[:width])
+            lines.append(f"{name:<{w}} {v.state:<9} {age_s:>6}  {printable(v.error)}")
             continue
         r = v.last.snapshot.runtime
         lines.append(
-            f"{v.name[:34]:<34} {v.state:<9} {age_s:>6} {r.engine[:14]:<14} {r.role[:7]:<7} "
+            f"{name:<{w}} {v.state:<9} {age_s:>6} {printable(r.engine)[:14]:<14} "
+            f"{printable(r.role)[:7]:<7} "
             f"{f'{r.dp_rank}/{r.tp_rank}/{r.pp_rank}':<8} {r.step:>9} {r.requests_running:>5} "
             f"{r.requests_waiting:>5} {r.requests_deferred_free:>5}"
         )
         if v.state != UP:
-            lines.append(f"  ! {v.error} (values below are the last good snapshot)"[:width])
+            lines.append(f"  ! {printable(v.error)} (values below are the last good snapshot)")
         lines.append(
             f"  {'POOL':<12} {'TOTAL':>8} {'ALLOC':>8} {'RESV':>6} {'AVAIL':>8} {'CACHED':>7} "
             f"{'DEFER_BLK':>9} {'USAGE':>6} {'TOKENS':>9} {'ALLOC_B':>10} {'EVICT':>8}"
@@ -82,7 +106,7 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
         for p in v.last.snapshot.pools:
             usage = p.allocated_blocks / p.total_blocks if p.total_blocks else 0.0
             lines.append(
-                f"  {p.pool_name[:12]:<12} {p.total_blocks:>8} {p.allocated_blocks:>8} "
+                f"  {printable(p.pool_name)[:12]:<12} {p.total_blocks:>8} {p.allocated_blocks:>8} "
                 f"{p.reserved_blocks:>6} {p.available_blocks:>8} {_n(p.cached_blocks):>7} "
                 f"{_n(p.deferred_free_blocks):>9} {usage:>6.1%} {_n(p.tokens_used):>9} "
                 f"{_fmt_bytes(p.allocated_bytes):>10} {_n(p.evictions_total):>8}"
@@ -90,26 +114,7 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
     return "\n".join(line[:width] for line in lines)
 
 
-def _exit_code(views: list[TargetView]) -> int:
-    return EXIT_OK if any(v.up for v in views) else EXIT_NO_TARGET
-
-
-@click.command()
-@shm_dir_option
-@prefix_option
-@click.option("--json", "as_json", is_flag=True, help="JSON on stdout (only JSON).")
-@click.option(
-    "--watch",
-    "watch",
-    type=float,
-    default=None,
-    is_flag=False,
-    flag_value=1.0,
-    help="Refresh every SEC seconds (default 1): a live view on a terminal, "
-    "newline-delimited JSON otherwise.",
-)
-@click.option("--count", type=int, default=0, help="With --watch: stop after N refreshes.")
-@click.option(
+_stale_after_option = click.option(
     "--stale-after",
     type=float,
     default=5.0,
@@ -117,12 +122,52 @@ def _exit_code(views: list[TargetView]) -> int:
     envvar="KVSIDECAR_STALE_AFTER",
     help="Heartbeat age that makes a writer stale.",
 )
+
+
+class _DumpCommand(click.Command):
+    """``--watch -1`` is a range error, as ``--watch 0`` is: click would otherwise take
+    ``-1`` (after an option whose value is optional) for an unknown option ``-1``."""
+
+    def parse_args(self, ctx: click.Context, args: list[str]) -> list[str]:
+        for i, arg in enumerate(args):
+            value = args[i + 1] if arg == "--watch" and i + 1 < len(args) else arg[8:]
+            if arg.startswith("--watch") and _NEGATIVE.fullmatch(value):
+                raise click.BadParameter(
+                    f"{value} is not in the range x>={MIN_WATCH} (seconds between refreshes)",
+                    ctx=ctx,
+                    param_hint="'--watch'",
+                )
+        return super().parse_args(ctx, args)
+
+
+def _exit_code(views: list[TargetView]) -> int:
+    return EXIT_OK if any(v.up for v in views) else EXIT_NO_TARGET
+
+
+@click.command(cls=_DumpCommand)
+@shm_dir_option
+@prefix_option
+@click.option("--json", "as_json", is_flag=True, help="JSON on stdout (only JSON).")
 @click.option(
-    "--allow-any-uid",
-    is_flag=True,
-    envvar="KVSIDECAR_ALLOW_ANY_UID",
-    help="Read segments of any owner (default: own uid only).",
+    "--watch",
+    "watch",
+    # At least 0.1 s: 0 would redraw in a busy loop.
+    type=click.FloatRange(MIN_WATCH),
+    default=None,
+    is_flag=False,
+    flag_value=1.0,
+    metavar="SEC",
+    help=f"Refresh every SEC seconds (default 1, at least {MIN_WATCH}): a live view on a "
+    "terminal, newline-delimited JSON otherwise.",
 )
+@click.option(
+    "--count",
+    type=click.IntRange(0),
+    default=0,
+    help="With --watch: stop after N refreshes (0 = until Ctrl-C).",
+)
+@_stale_after_option
+@trust_options
 @click.argument("pattern", required=False)
 def dump(
     shm_dir: str,
@@ -131,17 +176,19 @@ def dump(
     watch: float | None,
     count: int,
     stale_after: float,
+    allow_uids: tuple[int, ...],
     allow_any_uid: bool,
     pattern: str | None,
 ) -> None:
     """Show every segment's runtime and pools (PATTERN: a segment name or glob)."""
-    ts = _targets(shm_dir, prefix, pattern, stale_after, allow_any_uid)
+    ts = _targets(shm_dir, prefix, pattern, stale_after, allowed_uids(allow_uids, allow_any_uid))
     try:
         if watch is None:
             views = ts.views()
             if not views:
                 click.echo(
-                    f"kvsidecar: no segments in {shm_dir} matching {pattern or prefix + '*'}",
+                    f"kvsidecar: no segments in {printable(shm_dir)} matching "
+                    f"{printable(pattern or prefix + '*')}",
                     err=True,
                 )
                 sys.exit(EXIT_NO_TARGET)
@@ -194,20 +241,28 @@ def _watch(ts: TargetSet, interval: float, count: int, as_json: bool) -> None:
 @click.command(name="ls")
 @shm_dir_option
 @prefix_option
-@click.option(
-    "--stale-after", type=float, default=5.0, show_default=True, envvar="KVSIDECAR_STALE_AFTER"
-)
-@click.option("--allow-any-uid", is_flag=True, envvar="KVSIDECAR_ALLOW_ANY_UID")
-def ls(shm_dir: str, prefix: str, stale_after: float, allow_any_uid: bool) -> None:
+@_stale_after_option
+@trust_options
+def ls(
+    shm_dir: str,
+    prefix: str,
+    stale_after: float,
+    allow_uids: tuple[int, ...],
+    allow_any_uid: bool,
+) -> None:
     """List segments with their state, age and size."""
-    ts = _targets(shm_dir, prefix, None, stale_after, allow_any_uid)
+    ts = _targets(shm_dir, prefix, None, stale_after, allowed_uids(allow_uids, allow_any_uid))
     views = ts.views()
     ts.stop()
     if not views:
-        click.echo(f"kvsidecar: no segments in {shm_dir} with prefix {prefix!r}", err=True)
+        click.echo(
+            f"kvsidecar: no segments in {printable(shm_dir)} with prefix {printable(repr(prefix))}",
+            err=True,
+        )
         sys.exit(EXIT_NO_TARGET)
     now = time.monotonic_ns()
-    click.echo(f"{'SEGMENT':<40} {'STATE':<10} {'AGE':>8} {'GEN':>4} {'BYTES':>8}  ERROR")
+    w = max([40, *(len(printable(v.name)) for v in views)])
+    click.echo(f"{'SEGMENT':<{w}} {'STATE':<10} {'AGE':>8} {'GEN':>4} {'BYTES':>8}  ERROR")
     for v in views:
         age = v.age_seconds(now)
         try:
@@ -216,7 +271,7 @@ def ls(shm_dir: str, prefix: str, stale_after: float, allow_any_uid: bool) -> No
             size = 0
         gen = v.last.generation if v.last else "-"
         click.echo(
-            f"{v.name:<40} {v.state:<10} {'-' if age is None else f'{age:.1f}s':>8} "
-            f"{gen:>4} {size:>8}  {v.error}"
+            f"{printable(v.name):<{w}} {v.state:<10} {'-' if age is None else f'{age:.1f}s':>8} "
+            f"{gen:>4} {size:>8}  {printable(v.error)}"
         )
     sys.exit(_exit_code(views))

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
-import os
+import shutil
 import sys
 import tempfile
 import time
@@ -11,18 +11,31 @@ import time
 import click
 
 from kvsidecar.bench import torn
+from kvsidecar.cli_options import printable
 
 
 @click.command()
-@click.option("--seconds", default=2.0, show_default=True, help="How long to stress.")
+@click.option(
+    "--seconds",
+    type=click.FloatRange(0),
+    default=2.0,
+    show_default=True,
+    help=f"How long to stress. The command ends within SECONDS + {2 * torn.START_TIMEOUT:g} s.",
+)
 def selfcheck(seconds: float) -> None:
-    """Run a full-speed writer against two reader processes and report torn reads."""
+    """Run a full-speed writer against two reader processes and report torn reads.
+
+    Exit status 0: reads were made and none was torn; 1 otherwise.
+    """
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-selfcheck-", dir="/dev/shm")
     t0 = time.monotonic()
     try:
         result = torn.run(seconds=seconds, readers=2, shm_dir=shm_dir)
+    except RuntimeError as e:
+        click.echo(f"selfcheck: failed: {printable(e)}", err=True)
+        sys.exit(1)
     finally:
-        os.rmdir(shm_dir)
+        shutil.rmtree(shm_dir, ignore_errors=True)  # a killed writer leaves its segment
     click.echo(
         f"selfcheck: {result['reads']:,} reads, {result['retries']:,} retries, "
         f"{result['torn_accepted']} torn accepted in {time.monotonic() - t0:.1f}s"

@@ -36,8 +36,13 @@ def publish(quick: bool, out: str) -> None:
 @bench.command(name="torn")
 @quick_option
 @out_option
-@click.option("--seconds", type=float, default=None, help="Duration (default 120, quick 2).")
-@click.option("--readers", type=int, default=2, show_default=True)
+@click.option(
+    "--seconds",
+    type=click.FloatRange(0),
+    default=None,
+    help="Duration (default 120, quick 2); the run ends within it plus 60 s.",
+)
+@click.option("--readers", type=click.IntRange(1), default=2, show_default=True)
 def torn_cmd(quick: bool, out: str, seconds: float | None, readers: int) -> None:
     """Full-speed writer vs reader processes: reads, retries, torn accepted."""
     from kvsidecar.bench import torn

@@ -60,11 +60,22 @@ def check_snapshot(snapshot: Snapshot) -> bool:
     return snapshot == make_snapshot(snapshot.runtime.step)
 
 
-def writer_main(name: str, shm_dir: str, seconds: float, ready: Any = None) -> int:
-    """Publish as fast as possible for `seconds`; returns the number of publishes.
+# Startup allowance on top of the stress time: spawning a process that imports the
+# protocol takes well under a second, ~10 s on a loaded CI machine.
+START_TIMEOUT = 30.0
+
+
+def writer_main(
+    name: str, shm_dir: str, seconds: float, ready: Any = None, done: Any = None
+) -> int:
+    """Publish as fast as possible until `done` is set (or for `seconds` without one);
+    returns the number of publishes.
 
     Payloads are pre-encoded (a ring of 4096 distinct snapshots) so the loop
-    is nothing but the latch: the writer laps readers as often as it can.
+    is nothing but the latch: the writer laps readers as often as it can. The writer
+    outlives the readers (the parent sets `done` once they reported): a writer that left
+    on its own clock could go before a slow-starting reader attached, and that reader
+    would wait for a segment that never comes back.
     """
     from kvsidecar.protocol.schema import encode_snapshot
 
@@ -76,7 +87,7 @@ def writer_main(name: str, shm_dir: str, seconds: float, ready: Any = None) -> i
             ready.set()
         deadline = time.monotonic() + seconds
         n = 1
-        while time.monotonic() < deadline:
+        while time.monotonic() < deadline and not (done is not None and done.is_set()):
             for payload in ring:
                 publish(payload)
             n += len(ring)
@@ -87,10 +98,14 @@ def reader_main(name: str, shm_dir: str, seconds: float, queue: Any) -> None:
     reads = retries = torn = errors = 0
     last_seq = 0
     reader = SegmentReader(name, shm_dir=shm_dir)
+    give_up = time.monotonic() + START_TIMEOUT
     while reader.attach() is not None:
+        if time.monotonic() > give_up:  # bounded: never wait forever for the segment
+            queue.put({"error": f"reader could not attach to {name} in {START_TIMEOUT:g}s"})
+            return
         time.sleep(0.001)
     deadline = time.monotonic() + seconds
-    while time.monotonic() < deadline:
+    while True:  # at least one batch, however short `seconds` is
         for _ in range(64):
             result = reader.read()
             if isinstance(result, Reading):
@@ -101,31 +116,53 @@ def reader_main(name: str, shm_dir: str, seconds: float, queue: Any) -> None:
                 last_seq = result.seq
             else:
                 errors += 1
+        if time.monotonic() >= deadline:
+            break
     reader.close()
     queue.put({"reads": reads, "retries": retries, "torn_accepted": torn, "errors": errors})
 
 
 def run(seconds: float = 5.0, readers: int = 2, shm_dir: str = "/dev/shm") -> dict[str, Any]:
-    """Run one writer and `readers` reader processes; return aggregate counts."""
+    """Run one writer and `readers` reader processes; return aggregate counts.
+
+    Ends within ``seconds + 2 * START_TIMEOUT`` whatever happens: every wait is bounded,
+    and a process that overran is killed. Raises RuntimeError when a process failed.
+    """
     ctx = mp.get_context("spawn")
     name = f"kvsidecar.torn.{os.getpid()}.{time.monotonic_ns() % 100000}"
-    ready = ctx.Event()
+    ready, done = ctx.Event(), ctx.Event()
     queue = ctx.Queue()
-    writer = ctx.Process(target=writer_main, args=(name, shm_dir, seconds + 1.0, ready))
-    writer.start()
-    if not ready.wait(30):
-        writer.kill()
-        raise RuntimeError("stress writer did not start")
-    procs = [
-        ctx.Process(target=reader_main, args=(name, shm_dir, seconds, queue))
-        for _ in range(readers)
-    ]
-    for p in procs:
-        p.start()
-    results = [queue.get(timeout=seconds + 60) for _ in procs]
-    for p in procs:
-        p.join(10)
-    writer.join(seconds + 30)
+    # The writer's own clock is only a backstop for a parent that died.
+    cap = seconds + 4 * START_TIMEOUT
+    writer = ctx.Process(target=writer_main, args=(name, shm_dir, cap, ready, done))
+    procs: list[Any] = []
+    try:
+        writer.start()
+        if not ready.wait(START_TIMEOUT):
+            raise RuntimeError("stress writer did not start")
+        procs = [
+            ctx.Process(target=reader_main, args=(name, shm_dir, seconds, queue))
+            for _ in range(readers)
+        ]
+        for p in procs:
+            p.start()
+        end = time.monotonic() + seconds + START_TIMEOUT
+        results = []
+        for _ in procs:
+            try:
+                results.append(queue.get(timeout=max(0.1, end - time.monotonic())))
+            except Exception as e:  # queue.Empty: a reader hung or died
+                raise RuntimeError("a stress reader did not report in time") from e
+        failed = [r["error"] for r in results if "error" in r]
+        if failed:
+            raise RuntimeError(failed[0])
+    finally:
+        done.set()
+        for p in [*procs, writer]:
+            p.join(10)
+            if p.is_alive():
+                p.kill()
+                p.join(5)
     total = {k: sum(r[k] for r in results) for k in results[0]}
     total.update(seconds=seconds, readers=readers)
     return total

@@ -10,13 +10,20 @@ interval.
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import msgspec
-from prometheus_client import CollectorRegistry
+from prometheus_client import (
+    CollectorRegistry,
+    GCCollector,
+    PlatformCollector,
+    ProcessCollector,
+)
+from prometheus_client.core import Metric
 from prometheus_client.openmetrics import exposition as openmetrics
 
 from kvsidecar.daemon.collector import SnapshotCollector
@@ -62,13 +69,22 @@ class Daemon:
         *,
         http_stats: HTTPStats | None = None,
         ready_requires_source: bool = False,
+        exporter_metrics: bool = True,
     ) -> None:
         self.targets = targets
         self.http_stats = http_stats or HTTPStats()
         self.ready_requires_source = ready_requires_source
+        self.exporter_metrics = exporter_metrics
         self.registry = CollectorRegistry(auto_describe=False)
         self.collector = SnapshotCollector(targets.views, self._daemon_stats, self._http_stats)
-        self.registry.register(self.collector)
+        self.registry.register(_Filtered(self.collector, exporter_metrics))
+        # The standard process_* and python_* self-metrics every Python exporter has
+        # (--web.disable-exporter-metrics leaves them out, as node_exporter does go_*).
+        self._self_registry = CollectorRegistry(auto_describe=False)
+        if exporter_metrics:
+            for c in (ProcessCollector, PlatformCollector, GCCollector):
+                c(registry=self._self_registry)
+            self.registry.register(_Chain(self._self_registry))
         self._cache: dict[str, tuple[int, bytes]] = {}
         self._render_lock = threading.Lock()
 
@@ -96,7 +112,7 @@ class Daemon:
 
     @property
     def landing_links(self) -> Sequence[tuple[str, str]]:
-        return [("/api/v1/snapshots", "Snapshots (JSON)")]
+        return []  # the HTTP layer already lists /metrics, snapshots and health
 
     # -- rendering ----------------------------------------------------------------
 
@@ -114,7 +130,8 @@ class Daemon:
             return body
 
     def _render_text(self) -> bytes:
-        return render_text(self.collector.collect())
+        families = _without_exporter(self.collector.collect(), self.exporter_metrics)
+        return render_text(itertools.chain(families, self._self_registry.collect()))
 
     def _render_openmetrics(self) -> bytes:
         return openmetrics.generate_latest(self.registry)
@@ -135,6 +152,33 @@ class Daemon:
                 for h, hist in snap.durations.items()
             },
         }
+
+
+def _without_exporter(families: Iterable[Metric], keep: bool) -> Iterable[Metric]:
+    if keep:
+        return families
+    # kvsidecar_http_* is ours what promhttp_* is to a Go exporter: about the exporter.
+    return (f for f in families if not f.name.startswith("kvsidecar_http_"))
+
+
+class _Filtered:
+    """The snapshot collector, less the exporter's own HTTP families when disabled."""
+
+    def __init__(self, collector: SnapshotCollector, keep: bool) -> None:
+        self._collector, self._keep = collector, keep
+
+    def collect(self) -> Iterable[Metric]:
+        return _without_exporter(self._collector.collect(), self._keep)
+
+
+class _Chain:
+    """A registry as a collector, so OpenMetrics output has the self-metrics too."""
+
+    def __init__(self, registry: CollectorRegistry) -> None:
+        self._registry = registry
+
+    def collect(self) -> Iterable[Metric]:
+        return self._registry.collect()
 
 
 def _le(bound: float) -> str:

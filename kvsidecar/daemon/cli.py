@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
@@ -10,10 +11,32 @@ import sys
 import click
 
 from kvsidecar import __version__
-from kvsidecar.cli_options import EXIT_USAGE, prefix_option, shm_dir_option
+from kvsidecar.cli_options import (
+    DEFAULT_LISTEN,
+    EXIT_USAGE,
+    allowed_uids,
+    prefix_option,
+    printable,
+    shm_dir_option,
+    trust_options,
+)
+from kvsidecar.logsetup import log_options, setup_logging
+from kvsidecar.protocol.names import InvalidName, validate_name
 from kvsidecar.stopflag import StopFlag
 
-DEFAULT_LISTEN = ":9400"
+
+def _segment_names(
+    _ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]
+) -> tuple[str, ...]:
+    # Env twin: space-separated. Checked here so a bad name stops the start, rather than
+    # being followed forever as a segment that can never exist.
+    names = tuple(n for item in value for n in item.split())
+    for n in names:
+        try:
+            validate_name(n)
+        except InvalidName as e:
+            raise click.BadParameter(printable(e)) from None
+    return names
 
 
 @click.command()
@@ -24,6 +47,7 @@ DEFAULT_LISTEN = ":9400"
     "segments",
     multiple=True,
     envvar="KVSIDECAR_SEGMENT",
+    callback=_segment_names,
     help="Follow this segment name (repeatable); default: every PREFIX* segment.",
 )
 @click.option(
@@ -57,7 +81,8 @@ DEFAULT_LISTEN = ":9400"
     envvar="KVSIDECAR_WEB_LISTEN_ADDRESS",
     default=[DEFAULT_LISTEN],
     show_default=True,
-    help="Address to listen on (repeatable), e.g. :9400, 127.0.0.1:9400, [::1]:9400.",
+    help=f"Address to listen on (repeatable), e.g. {DEFAULT_LISTEN}, "
+    f"127.0.0.1{DEFAULT_LISTEN}, [::1]{DEFAULT_LISTEN}.",
 )
 @click.option(
     "--web.config.file",
@@ -84,20 +109,7 @@ DEFAULT_LISTEN = ":9400"
     envvar="KVSIDECAR_WEB_MAX_REQUESTS",
     help="Concurrent requests served before answering 503 (0 = no limit).",
 )
-@click.option(
-    "--allow-uid",
-    "allow_uids",
-    multiple=True,
-    type=int,
-    envvar="KVSIDECAR_ALLOW_UID",
-    help="Also trust segments owned by this uid (repeatable). Default: own uid only.",
-)
-@click.option(
-    "--allow-any-uid",
-    is_flag=True,
-    envvar="KVSIDECAR_ALLOW_ANY_UID",
-    help="Trust segments of any owner (not recommended on shared hosts).",
-)
+@trust_options
 @click.option(
     "--ready-requires-source",
     is_flag=True,
@@ -105,12 +117,13 @@ DEFAULT_LISTEN = ":9400"
     help="/-/ready answers 503 until at least one segment is up.",
 )
 @click.option(
-    "--log-level",
-    type=click.Choice(["debug", "info", "warning", "error"]),
-    default="info",
-    show_default=True,
-    envvar="KVSIDECAR_LOG_LEVEL",
+    "--web.disable-exporter-metrics",
+    "disable_exporter_metrics",
+    is_flag=True,
+    envvar="KVSIDECAR_WEB_DISABLE_EXPORTER_METRICS",
+    help="Leave out metrics about the daemon itself (process_*, python_*, kvsidecar_http_*).",
 )
+@log_options
 def serve(
     shm_dir: str,
     prefix: str,
@@ -125,7 +138,9 @@ def serve(
     allow_uids: tuple[int, ...],
     allow_any_uid: bool,
     ready_requires_source: bool,
+    disable_exporter_metrics: bool,
     log_level: str,
+    log_format: str,
 ) -> None:
     """Serve every segment's snapshots: Prometheus /metrics, JSON and health endpoints."""
     from kvsidecar.daemon.app import Daemon
@@ -133,11 +148,7 @@ def serve(
     from kvsidecar.daemon.targets import TargetSet
     from kvsidecar.daemon.webconfig import WebConfigError, load_web_config
 
-    logging.basicConfig(
-        level=log_level.upper(),
-        stream=sys.stderr,
-        format="ts=%(asctime)s level=%(levelname)s msg=%(message)s",
-    )
+    setup_logging(log_level, log_format)
     log = logging.getLogger("kvsidecar")
     if not os.path.isdir(shm_dir):
         click.echo(
@@ -153,7 +164,7 @@ def serve(
     except WebConfigError as e:
         click.echo(f"kvsidecar: {e}", err=True)
         sys.exit(EXIT_USAGE)
-    allowed = None if allow_any_uid else frozenset({os.getuid(), *allow_uids})
+    allowed = allowed_uids(allow_uids, allow_any_uid)
     targets = TargetSet(
         shm_dir,
         prefix=prefix,
@@ -164,7 +175,12 @@ def serve(
         allowed_uids=allowed,
     )
     stats = HTTPStats()
-    daemon = Daemon(targets, http_stats=stats, ready_requires_source=ready_requires_source)
+    daemon = Daemon(
+        targets,
+        http_stats=stats,
+        ready_requires_source=ready_requires_source,
+        exporter_metrics=not disable_exporter_metrics,
+    )
     try:
         server = WebServer(
             daemon,
@@ -177,7 +193,13 @@ def serve(
         )
         server.start()
     except (OSError, ValueError, WebConfigError) as e:
-        click.echo(f"kvsidecar: cannot listen on {' '.join(addresses)}: {e}", err=True)
+        why = str(e)
+        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
+            why = (
+                "port in use by another process: pass --web.listen-address "
+                f"(KVSIDECAR_WEB_LISTEN_ADDRESS) with a free port, e.g. :{_suggest(addresses)}"
+            )
+        click.echo(f"kvsidecar: cannot listen on {' '.join(addresses)}: {why}", err=True)
         sys.exit(EXIT_USAGE)
     targets.poll_all()
     targets.start()
@@ -205,3 +227,9 @@ def serve(
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
     server.shutdown()
     targets.stop()
+
+
+def _suggest(addresses: list[str]) -> int:
+    """The first listen port plus one: something concrete to type."""
+    port = addresses[0].rpartition(":")[2] if addresses else ""
+    return int(port) + 1 if port.isdigit() and int(port) < 65535 else 0

@@ -47,7 +47,8 @@ SERVE_FLAGS = [
     "--web.telemetry-path",
     "--web.max-requests",
     "--allow-uid",
-    "--log-level",
+    "--log.level",
+    "--log.format",
 ]
 
 

@@ -189,3 +189,14 @@ def test_exported_list_matches_metric_defs(exported_metrics: set[str]) -> None:
         pytest.skip(f"kvsidecar.daemon.metric_defs not importable: {e}")
     missing = sorted(exported_metrics - set(exported_names()))
     assert not missing, f"listed in exported_metrics.txt but not defined by the daemon: {missing}"
+
+
+def test_dashboard_filters_on_instance(dashboard: dict) -> None:
+    """An instance (host/pod) variable, honoured by every query (issue #13, item 8)."""
+    variables = {v["name"]: v for v in dashboard["templating"]["list"]}
+    assert variables["instance"]["type"] == "query"
+    assert variables["instance"]["multi"] and variables["instance"]["includeAll"]
+    for expr in dashboard_exprs(dashboard):
+        assert 'instance=~"$instance"' in expr, expr
+    for name in ("engine", "model_name", "role", "pool"):
+        assert "$instance" in variables[name]["query"]["query"], name

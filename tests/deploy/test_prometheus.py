@@ -50,7 +50,7 @@ def test_check_kubernetes_config(promtool: str, tmp_path) -> None:
         for job in doc["scrape_configs"]:
             sd = job.pop("kubernetes_sd_configs")
             assert [c["role"] for c in sd] == ["pod"]
-            job["static_configs"] = [{"targets": ["pod.example:9400"]}]
+            job["static_configs"] = [{"targets": ["pod.example:39440"]}]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(doc))
         (tmp_path / RULES.name).write_text(RULES.read_text())
         proc = run([promtool, "check", "config", "prometheus.yml"], cwd=tmp_path)
@@ -65,6 +65,9 @@ def test_every_alert_has_firing_and_quiet_cases() -> None:
         "KvsidecarDeferredFreeStuck",
         "KvsidecarSourceDown",
         "KvsidecarWriterRestarting",
+        "KvsidecarKVTransferNotCompleting",
+        "KvsidecarDown",
+        "KvsidecarAbsent",
     }
     fires: set[str] = set()
     quiet: set[str] = set()

@@ -5,10 +5,12 @@ from __future__ import annotations
 import mmap
 import os
 import re
+import signal
 import struct
 import zlib
 
 import msgspec
+import pytest
 
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.conftest import REPO
@@ -54,3 +56,189 @@ def test_independent_reader_from_the_doc(shm_dir: str) -> None:
         assert dict(zip(caps["pool_fields"], pools[0]))["allocated_blocks"] == 42
         mm.close()
         os.close(fd)
+
+
+# --- a reader written from the document agrees with ours (issue #13, item 9) ------------
+
+from kvsidecar.protocol import reader as ours  # noqa: E402
+from kvsidecar.protocol.schema import to_dict  # noqa: E402
+from tests.faults.writers import fork_writer, stop  # noqa: E402
+
+from . import doc_reader  # noqa: E402
+
+
+def _ours(name: str, shm_dir: str, retries: int = ours.DEFAULT_RETRIES) -> tuple[str, object]:
+    r = ours.SegmentReader(name, shm_dir=shm_dir, retries=retries)
+    try:
+        err = r.attach()
+        if err is not None:
+            return err.kind, None
+        got = r.read()
+        return ("ok", got) if isinstance(got, ours.Reading) else (got.kind, None)
+    finally:
+        r.close()
+
+
+def _agree(name: str, shm_dir: str, retries: int = doc_reader.RETRIES) -> str:
+    """Both readers on the same live segment: same verdict, same values. The verdict."""
+    kind, reading = _ours(name, shm_dir, retries)
+    doc = doc_reader.read(os.path.join(shm_dir, name), retries)
+    assert doc.kind == kind, f"document says {doc.kind}, our reader {kind}"
+    if reading is not None:
+        snap = to_dict(reading.snapshot)
+        assert {k: snap["runtime"][k] for k in doc.runtime} == doc.runtime
+        assert [{k: p[k] for k in d} for p, d in zip(snap["pools"], doc.pools)] == doc.pools
+        assert (doc.seq, doc.generation, doc.incarnation) == (
+            reading.seq,
+            reading.generation,
+            reading.incarnation,
+        )
+    return kind
+
+
+def _patch(path: str, off: int, data: bytes) -> None:
+    """Overwrite bytes of a live segment behind the writer's back (a corruption)."""
+    fd = os.open(path, os.O_RDWR)
+    try:
+        os.pwrite(fd, data, off)
+    finally:
+        os.close(fd)
+
+
+def _slot_base(path: str) -> int:
+    with open(path, "rb") as f:
+        raw = f.read(256)
+    (seq,) = struct.unpack_from("<Q", raw, 64)
+    slot_off, stride = struct.unpack_from("<II", raw, 192)
+    return slot_off + (seq & 1) * stride
+
+
+def test_doc_reader_agrees_on_good_and_unpublished(shm_dir: str) -> None:
+    with SegmentWriter("kvsidecar.doc.a", shm_dir=shm_dir) as w:
+        assert _agree(w.name, shm_dir) == "not_ready"
+        for k in range(1, 5):
+            w.publish(sample_snapshot(40 + k))
+            assert _agree(w.name, shm_dir) == "ok"
+        # No retries at all: neither reader has a verdict but "try again".
+        assert _agree(w.name, shm_dir, retries=0) == "contended"
+
+
+@pytest.mark.parametrize(
+    "corruption",
+    ["payload_crc", "payload_len_over_capacity", "slot_seq", "directory_crc", "total_size"],
+)
+def test_doc_reader_agrees_on_corrupt_segments(shm_dir: str, corruption: str) -> None:
+    """Persistent corruption under a live writer is Corrupt for both, not Contended."""
+    with SegmentWriter("kvsidecar.doc.c", shm_dir=shm_dir) as w:
+        w.publish(sample_snapshot(7))
+        base = _slot_base(w.path)
+        if corruption == "payload_crc":
+            _patch(w.path, base + 12, b"\xde\xad\xbe\xef")
+        elif corruption == "payload_len_over_capacity":
+            _patch(w.path, base + 8, struct.pack("<I", 1 << 30))
+        elif corruption == "slot_seq":
+            _patch(w.path, base, struct.pack("<Q", 12345))
+        elif corruption == "directory_crc":
+            _patch(w.path, 204, b"\0\0\0\0")
+        else:
+            _patch(w.path, 16, struct.pack("<Q", 8192))
+        assert _agree(w.name, shm_dir) == "corrupt"
+
+
+@pytest.mark.parametrize("what", ["layout_major", "schema_major", "zero_magic", "bad_magic"])
+def test_doc_reader_agrees_on_versions_and_magic(shm_dir: str, what: str) -> None:
+    with SegmentWriter("kvsidecar.doc.v", shm_dir=shm_dir) as w:
+        w.publish(sample_snapshot(3))
+        if what == "layout_major":
+            _patch(w.path, 8, struct.pack("<H", 2))
+            want = "version_mismatch"
+        elif what == "schema_major":
+            with open(w.path, "rb") as f:
+                raw = f.read(4096)
+            dir_off, dir_len = struct.unpack_from("<II", raw, 56)
+            directory = bytearray(raw[dir_off : dir_off + dir_len])
+            key = b"\xacschema_major"  # msgpack fixstr of 12 bytes, then the value
+            at = directory.index(key) + len(key)
+            assert directory[at] == 1
+            directory[at] = 2
+            _patch(w.path, dir_off, bytes(directory))
+            _patch(w.path, 204, struct.pack("<I", zlib.crc32(bytes(directory))))
+            want = "version_mismatch"
+        elif what == "zero_magic":
+            _patch(w.path, 0, b"\0" * 8)
+            want = "not_ready"
+        else:
+            _patch(w.path, 0, b"NOTASEG!")
+            want = "corrupt"
+        assert _agree(w.name, shm_dir) == want
+
+
+def test_doc_reader_agrees_across_restarts(shm_dir: str) -> None:
+    """Generation: +1 only over a dead writer's file; 1 again after a clean close."""
+    name = "kvsidecar.doc.r"
+    pid = fork_writer(name, shm_dir)
+    assert _agree(name, shm_dir) == "ok"
+    first = doc_reader.read(os.path.join(shm_dir, name))
+    assert first.generation == 1
+    stop(pid)  # SIGKILL: the file stays, nobody holds the lock
+    assert _agree(name, shm_dir) == "ok"  # the last snapshot is still readable
+    pid = fork_writer(name, shm_dir, steps_from=100)
+    second = doc_reader.read(os.path.join(shm_dir, name))
+    assert _agree(name, shm_dir) == "ok"
+    assert second.generation == 2 and second.incarnation != first.incarnation
+    stop(pid, signal.SIGTERM)  # clean close: CLOSED, then unlinked
+    assert not os.path.exists(os.path.join(shm_dir, name))
+    assert doc_reader.read(os.path.join(shm_dir, name)).kind == "not_found"
+    pid = fork_writer(name, shm_dir, steps_from=200)
+    try:
+        third = doc_reader.read(os.path.join(shm_dir, name))
+        assert _agree(name, shm_dir) == "ok"
+        assert third.generation == 1 and third.incarnation not in (
+            first.incarnation,
+            second.incarnation,
+        )
+        assert third.state == 1  # READY from creation on
+    finally:
+        stop(pid)
+
+
+def test_documented_example_reader_runs(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The example reader in the document, run as printed on a live segment."""
+    import io
+    import sys
+    import types
+    from contextlib import redirect_stdout
+
+    doc = open(os.path.join(REPO, "docs", "segment-format.md")).read()
+    code = re.search(r"minimal independent reader.*?```python\n(.*?)```", doc, re.S).group(1)
+    assert "O_NONBLOCK" in code and "schema_major" in code and "dir_crc" in code
+    fake = types.ModuleType("msgpack")  # "any msgpack library": msgspec's, here
+    fake.unpackb = msgspec.msgpack.decode
+    monkeypatch.setitem(sys.modules, "msgpack", fake)
+    with SegmentWriter("kvsidecar.vllm.dp0.tp0.pp0", shm_dir=shm_dir) as w:
+        w.publish(sample_snapshot(77))
+        out = io.StringIO()
+        with redirect_stdout(out):
+            exec(code.replace("/dev/shm/", shm_dir + "/"), {})
+    assert "'step': 77" in out.getvalue(), out.getvalue()
+
+
+def test_document_states_what_the_code_does() -> None:
+    doc = open(os.path.join(REPO, "docs", "segment-format.md")).read()
+    schema = open(os.path.join(REPO, "docs", "schema.md")).read()
+    assert "kvsidecar.<engine>[.<role>].dp<d>.tp<t>.pp<p>" in doc
+    assert "accepts any minor >= its own" not in doc
+    assert re.search(r"^\s+72\s+56 reserved", doc, re.M)
+    assert "give up: Contended (transient" not in doc and "-> Corrupt" in doc
+    assert "`generation + 1`. Readers" not in doc
+    assert "heartbeat_interval" in doc
+    assert "kvsidecar-demo" not in schema and "`demo`" in schema
+    assert "null block" in schema.split("| mapped_bytes", 1)[1].split("\n", 1)[0]
+    from kvsidecar.protocol import layout
+    from kvsidecar.protocol.schema import SCHEMA_MAJOR, SCHEMA_MINOR, current_capabilities
+
+    title = doc.splitlines()[0]
+    assert f"layout v{layout.LAYOUT_MAJOR}.{layout.LAYOUT_MINOR}" in title
+    assert f"schema v{SCHEMA_MAJOR}.{SCHEMA_MINOR}" in title
+    assert f'"schema_version": "{current_capabilities().schema_version}"' in doc
+    assert f'"schema_minor": {SCHEMA_MINOR}' in doc
