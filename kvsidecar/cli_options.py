@@ -17,7 +17,7 @@ EXIT_OK, EXIT_NO_TARGET, EXIT_USAGE = 0, 1, 2
 # Our own default port. 9400 (what we had) is dcgm-exporter's, which every GPU node runs;
 # the Prometheus wiki's exporter block 9100-9999 is exhausted and newer exporters have
 # moved above it (e.g. 39100). See docs/operations.md "Port".
-DEFAULT_PORT = 39440
+DEFAULT_PORT = 19440
 DEFAULT_LISTEN = f":{DEFAULT_PORT}"
 
 # C0 controls (but not tab), DEL and C1 controls: an engine string carrying ESC or CR

@@ -125,13 +125,13 @@ def test_sigterm_removes_private_dir_and_leaves_no_process(
         with contextlib.suppress(OSError):
             sock = stack.enter_context(socket.socket())
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            sock.bind(("127.0.0.1", 39440))
+            sock.bind(("127.0.0.1", 19440))
             sock.listen()
         demo = Demo(tmp_path, "--single", "--report-interval", "0")
         demos.append(demo)
         banner = demo.wait_banner()
-    assert "127.0.0.1:39440 is in use; using port" in demo.err
-    assert ":39440/" not in banner["metrics"]
+    assert "127.0.0.1:19440 is in use; using port" in demo.err
+    assert ":19440/" not in banner["metrics"]
     status, _, _ = fetch(demo.base_url + "/-/healthy")
     assert status == 200
     shm = banner["segments"].split()[0]

@@ -110,7 +110,7 @@ def test_stages(parsed) -> None:
     assert uid.isdigit() and int(uid) != 0
     assert final.all("ENTRYPOINT") == ['["kvsidecar"]']
     assert final.all("CMD") == ['["serve"]']
-    assert "39440" in final.all("EXPOSE")
+    assert "19440" in final.all("EXPOSE")
 
 
 def test_no_agent_extra(parsed) -> None:

@@ -93,12 +93,12 @@ def test_native_sidecar(sidecar: dict) -> None:
     assert sidecar["restartPolicy"] == "Always"
     assert sidecar["args"][0] == "serve"  # the image's ENTRYPOINT is kvsidecar
     ports = {p["name"]: p for p in sidecar["ports"]}
-    assert ports["metrics"]["containerPort"] == 39440
+    assert ports["metrics"]["containerPort"] == 19440
     assert sidecar["livenessProbe"]["httpGet"]["path"] == "/-/healthy"
     assert sidecar["readinessProbe"]["httpGet"]["path"] == "/-/ready"
     for probe in ("livenessProbe", "readinessProbe"):
-        assert sidecar[probe]["httpGet"]["port"] in ("metrics", 39440)
-    assert env(sidecar).get("KVSIDECAR_WEB_LISTEN_ADDRESS", ":39440").endswith(":39440")
+        assert sidecar[probe]["httpGet"]["port"] in ("metrics", 19440)
+    assert env(sidecar).get("KVSIDECAR_WEB_LISTEN_ADDRESS", ":19440").endswith(":19440")
 
 
 def test_shared_segment_volume(pod: dict, sidecar: dict, engine: dict) -> None:

@@ -50,7 +50,7 @@ def test_check_kubernetes_config(promtool: str, tmp_path) -> None:
         for job in doc["scrape_configs"]:
             sd = job.pop("kubernetes_sd_configs")
             assert [c["role"] for c in sd] == ["pod"]
-            job["static_configs"] = [{"targets": ["pod.example:39440"]}]
+            job["static_configs"] = [{"targets": ["pod.example:19440"]}]
         (tmp_path / "prometheus.yml").write_text(yaml.safe_dump(doc))
         (tmp_path / RULES.name).write_text(RULES.read_text())
         proc = run([promtool, "check", "config", "prometheus.yml"], cwd=tmp_path)
