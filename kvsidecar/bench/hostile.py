@@ -249,11 +249,21 @@ def run_authflood(
             flood_done = [0]
 
             def flood(k: int) -> None:
+                # One keep-alive connection per thread, as a real flood would use: a new
+                # connection per attempt would exhaust the client's ephemeral ports first.
+                conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
                 n = 0
                 while not stop.is_set():
                     pw = f"wrong{k}-{n}" if distinct else "wrong"
-                    _probe(port, "/metrics", None, timeout=30.0, auth=f"prometheus:{pw}")
+                    token = base64.b64encode(f"prometheus:{pw}".encode()).decode()
+                    try:
+                        conn.request("GET", "/metrics", headers={"Authorization": "Basic " + token})
+                        conn.getresponse().read()
+                    except (OSError, http.client.HTTPException):
+                        conn.close()
+                        time.sleep(0.01)
                     n += 1
+                conn.close()
                 flood_done[0] += n
 
             pool = [threading.Thread(target=flood, args=(k,), daemon=True) for k in range(threads)]

@@ -4,7 +4,8 @@ Not asyncio's own ``start_tls``: on a failed handshake it closes without sending
 alert OpenSSL produced, so a client below ``min_version`` would see a bare EOF instead
 of "protocol version". Here every byte OpenSSL wants to send is flushed first.
 Reads are pulled on demand, so a client can never make the daemon buffer more than
-one TLS record beyond what a request head needs.
+one TLS record beyond what a request head needs, and OpenSSL's state is only created
+once the ClientHello is complete.
 """
 
 from __future__ import annotations
@@ -47,7 +48,18 @@ async def handshake(
 ) -> tuple[TLSReader, TLSWriter]:
     """The server handshake (the caller bounds it in time). Raises `ssl.SSLError` (the
     alert already sent) or `ConnectionError` when the peer leaves."""
+    # OpenSSL allocates tens of KB per connection once it starts reading: hold the
+    # connection on the raw stream until the client's first record (the ClientHello,
+    # at most 16 KB) has arrived whole, so a client trickling it costs only its bytes.
+    try:
+        header = await reader.readexactly(5)
+        length = int.from_bytes(header[3:5], "big")
+        whole = header[0] == 0x16 and length <= 16384 + 2048  # a handshake record, sane size
+        first = header + (await reader.readexactly(length) if whole else b"")
+    except asyncio.IncompleteReadError:
+        raise ConnectionResetError("client closed during the TLS handshake") from None
     tls = _TLS(ctx, reader, writer)
+    tls.incoming.write(first)  # anything else: OpenSSL refuses it with an alert
     while True:
         try:
             tls.obj.do_handshake()
