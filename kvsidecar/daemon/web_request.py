@@ -98,7 +98,7 @@ def _request_line(line: str) -> tuple[str, str, tuple[int, int]]:
     version = (int(m.group(1)), int(m.group(2)))
     if version[0] != 1:
         raise BadRequest(505, f"HTTP version {version_text} not supported")
-    if not _TARGET.fullmatch(target) or (target != "*" and len(target) > MAX_REQUEST_LINE):
+    if not _TARGET.fullmatch(target):
         raise BadRequest(400, "malformed request target")
     return method, target, version
 
@@ -143,7 +143,7 @@ def parse_head(lines: Sequence[bytes]) -> Request:
     has_body = "transfer-encoding" in headers or int(length) > 0
     connection = {t.strip().lower() for t in headers.get("connection", "").split(",")}
     keep_alive = "keep-alive" in connection if version < (1, 1) else "close" not in connection
-    path = "*" if target == "*" else _path_of(target)
+    path = _path_of(target)  # "*" (asterisk-form) is for OPTIONS only: 400 too
     request = Request(method, target, path, version, headers, keep_alive and not has_body, has_body)
     if method not in ("GET", "HEAD"):
         raise BadRequest(405, f"method {method} not allowed", {"Allow": "GET, HEAD"})
