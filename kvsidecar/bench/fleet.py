@@ -76,11 +76,7 @@ def fleet(ranks: int = 8, pools: int = 4, hz: float = 100.0) -> Iterator[dict[st
         }
     finally:
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(10)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+            stop_daemon(daemon)
         stop.set()
         writer.join(10)
         if writer.is_alive():
@@ -130,6 +126,16 @@ def start_daemon(
             daemon.kill()
             raise RuntimeError(f"daemon did not come up (exit code {daemon.wait()})")
         time.sleep(0.05)
+
+
+def stop_daemon(daemon: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout``; reaps it."""
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(timeout)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait()
 
 
 def proc_stat(pid: int) -> tuple[int, float]:

@@ -25,7 +25,6 @@ import os
 import resource
 import selectors
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -37,7 +36,7 @@ from typing import Any
 
 import bcrypt
 
-from kvsidecar.bench.fleet import fd_count, proc_stat, start_daemon
+from kvsidecar.bench.fleet import fd_count, proc_stat, start_daemon, stop_daemon
 from kvsidecar.bench.report import percentile
 
 HEALTHY_P99_MS = 100.0
@@ -65,12 +64,7 @@ def _daemon(
     try:
         yield daemon, url
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(10)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
+        stop_daemon(daemon)
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 

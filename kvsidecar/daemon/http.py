@@ -71,6 +71,7 @@ OTHER = "other"  # handler label for unknown paths and unparseable requests
 _PLAIN = "text/plain; charset=utf-8"
 BACKLOG = 1024  # a burst of connects waits in the kernel, not refused
 FD_RESERVE = 128  # fds kept free of connections: segments, logs, listeners
+FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
 
 
@@ -303,6 +304,7 @@ class _Conn:
     peer: str  # host:port, for the log
     host: str  # the address alone: the auth queue's fairness key
     task: asyncio.Task | None = None
+    failed: bool = False  # sent wrong credentials: its next checks queue last
 
 
 class _Closed(Exception):
@@ -506,6 +508,11 @@ class _Front:
             if verdict is None:
                 status, body = 429, b"429 too many authentication attempts, try again later\n"
             else:
+                if request.header("authorization"):
+                    # Wrong credentials answer after a pause (known and unknown users
+                    # alike): a coroutine asleep costs nothing, and a flood repeating a
+                    # cached wrong password can no longer saturate the loop.
+                    await asyncio.sleep(FAILED_AUTH_DELAY_S)
                 headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
                 status, body = 401, b"401 unauthorized\n"
         elif route is None:
@@ -531,6 +538,8 @@ class _Front:
             finally:
                 web.stats.request_finished()
                 web._requests.release()
+        if request.version < (1, 1) and not close:
+            headers["Connection"] = "keep-alive"  # HTTP/1.0 closes unless told otherwise
         await self._write(conn, status, body, headers, ctype, close, request.method == "HEAD")
         if close and request.has_body:
             await self._linger(conn)  # the unread body must not turn the close into a RST
@@ -557,9 +566,12 @@ class _Front:
             return False
         cached = state.auth.lookup(*creds)
         if cached is not None:
+            conn.failed = conn.failed or not cached
             return cached
         auth = state.auth
-        return await self.auth_gate.run(conn.host, lambda: auth.verify(*creds))
+        ok = await self.auth_gate.run(conn.host, lambda: auth.verify(*creds), conn.failed)
+        conn.failed = conn.failed or ok is False
+        return ok
 
     async def _write(
         self,

@@ -7,8 +7,8 @@ client can buy a core's worth of work per request. The controls:
   password, right or wrong, costs a hash lookup. A changed hash misses the cache.
 * Identical checks in progress are shared (one bcrypt for 150 identical attempts).
 * At most `BCRYPT_WORKERS` bcrypt checks run at once (CPU stays bounded: the engine
-  shares the host), handed out round-robin per client address (`AuthGate`), so a
-  flood from one address delays another address's login by at most a check or two.
+  shares the host), handed out by `AuthGate`: connections that already failed wait
+  until nobody else does, and round-robin per client address within each class.
 * Unknown users are checked against a dummy hash whose cost is that of a configured
   user, chosen by a keyed hash of the name: a user is indistinguishable from a
   non-user by timing even when users have different costs.
@@ -30,6 +30,8 @@ from collections.abc import Callable, Mapping
 import bcrypt
 
 __all__ = ["BCRYPT_WORKERS", "AuthGate", "BasicAuth", "hash_cost"]
+
+_Round = collections.OrderedDict[str, collections.deque]
 
 BCRYPT_WORKERS = 1  # bcrypt checks at once, for the whole daemon
 MAX_PENDING = 512  # queued checks beyond this are refused at once (429)
@@ -149,10 +151,13 @@ class BasicAuth:
 
 
 class AuthGate:
-    """Runs blocking checks on `BCRYPT_WORKERS` threads, round-robin over client keys.
+    """Runs blocking checks on `BCRYPT_WORKERS` threads, fairly.
 
-    Used from one event loop only (no locks): each key has its own FIFO, and a free
-    worker takes the next key in turn, so one address's flood cannot starve another's.
+    Used from one event loop only (no locks). Checks from connections that already sent
+    wrong credentials ("suspect") wait until no other check is waiting, so a flood over
+    keep-alive connections cannot delay a scraper's first login by more than the check
+    in progress. Within each class every client key (address) has its own FIFO and a
+    free worker takes the next key in turn, so one address cannot starve another.
     """
 
     def __init__(self, workers: int = BCRYPT_WORKERS, max_pending: int = MAX_PENDING) -> None:
@@ -161,15 +166,17 @@ class AuthGate:
         self._busy = 0
         self._pending = 0
         self._max_pending = max_pending
-        self._queues: collections.OrderedDict[str, collections.deque] = collections.OrderedDict()
+        # [clean, suspect]: key -> FIFO of turns; the dict order is the round.
+        self._rounds: tuple[_Round, _Round] = (collections.OrderedDict(), collections.OrderedDict())
 
-    async def run(self, key: str, fn: Callable[[], bool]) -> bool | None:
+    async def run(self, key: str, fn: Callable[[], bool], suspect: bool = False) -> bool | None:
         """fn's result, or None when too many checks are already waiting."""
         if self._pending >= self._max_pending:
             return None
         loop = asyncio.get_running_loop()
         turn: asyncio.Future[None] = loop.create_future()
-        self._queues.setdefault(key, collections.deque()).append(turn)
+        table = self._rounds[suspect]
+        table.setdefault(key, collections.deque()).append(turn)
         self._pending += 1
         self._dispatch()
         try:
@@ -177,11 +184,11 @@ class AuthGate:
         except BaseException:
             if not turn.done() or turn.cancelled():
                 self._pending -= 1
-                queue = self._queues.get(key)
+                queue = table.get(key)
                 if queue is not None and turn in queue:
                     queue.remove(turn)
                     if not queue:
-                        del self._queues[key]
+                        del table[key]
             else:
                 self._release()  # granted just as we were cancelled
             raise
@@ -195,12 +202,12 @@ class AuthGate:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        while self._busy < self._workers and self._queues:
-            key, queue = next(iter(self._queues.items()))
+        while self._busy < self._workers and (table := self._rounds[0] or self._rounds[1]):
+            key, queue = next(iter(table.items()))
             turn = queue.popleft()
-            del self._queues[key]
+            del table[key]
             if queue:
-                self._queues[key] = queue  # to the back of the round
+                table[key] = queue  # to the back of the round
             self._pending -= 1
             self._busy += 1
             turn.set_result(None)

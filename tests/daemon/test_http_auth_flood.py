@@ -7,8 +7,6 @@ from __future__ import annotations
 import asyncio
 import base64
 import http.client
-import signal
-import subprocess
 import threading
 import time
 from pathlib import Path
@@ -16,7 +14,7 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from kvsidecar.bench.fleet import start_daemon
+from kvsidecar.bench.fleet import start_daemon, stop_daemon
 from kvsidecar.daemon.webconfig import BasicAuth
 
 FLOOD_THREADS = 150
@@ -73,11 +71,7 @@ def test_login_answers_under_a_wrong_password_flood(shm_dir: str, tmp_path: Path
         stop.set()
         for t in threads:
             t.join(40)
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(10)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_daemon(daemon)
     # Serialized behind 150 bcrypt checks a login took ~13 s; now one check (~0.1 s)
     # plus queueing. 5 s: a wide margin for a busy shared host, still under Prometheus'
     # 10 s scrape timeout.
@@ -128,30 +122,42 @@ def test_identical_checks_share_one_bcrypt(monkeypatch: pytest.MonkeyPatch) -> N
     assert len(calls) == 1, f"{len(calls)} bcrypt checks for 20 identical attempts"
 
 
-def test_auth_gate_is_round_robin_over_clients() -> None:
+def _gate_order(jobs: list[tuple[str, str, bool]]) -> list[str]:
+    """Run (name, key, suspect) jobs through a one-worker AuthGate, the first one
+    blocking until all are queued; the order they ran in."""
     from kvsidecar.daemon.web_auth import AuthGate
 
     order: list[str] = []
+    release = threading.Event()
+
+    def job(name: str) -> bool:
+        release.wait(5)
+        order.append(name)
+        return True
 
     async def main() -> None:
         gate = AuthGate(workers=1)
-        release = threading.Event()
-
-        def job(name: str) -> bool:
-            release.wait(5)
-            order.append(name)
-            return True
-
         try:
-            flood = [asyncio.create_task(gate.run("10.0.0.1", lambda i=i: job(f"a{i}")))
-                     for i in range(20)]  # fmt: skip
-            await asyncio.sleep(0.05)
-            late = asyncio.create_task(gate.run("10.0.0.2", lambda: job("b")))
-            await asyncio.sleep(0.05)
+            tasks = []
+            for name, key, suspect in jobs:
+                tasks.append(asyncio.create_task(gate.run(key, lambda n=name: job(n), suspect)))
+                await asyncio.sleep(0.001)  # queued in this order
             release.set()
-            await asyncio.wait_for(asyncio.gather(*flood, late), 30)
+            await asyncio.wait_for(asyncio.gather(*tasks), 30)
         finally:
             gate.close()
 
     asyncio.run(main())
+    return order
+
+
+def test_auth_gate_is_round_robin_over_clients() -> None:
+    flood = [(f"a{i}", "10.0.0.1", False) for i in range(20)]
+    order = _gate_order([*flood, ("b", "10.0.0.2", False)])
     assert order.index("b") <= 2, f"the other client waited behind the flood: {order}"
+
+
+def test_auth_gate_serves_connections_that_never_failed_first() -> None:
+    flood = [(f"a{i}", "127.0.0.1", True) for i in range(20)]  # same address, all failed
+    order = _gate_order([*flood, ("scraper", "127.0.0.1", False)])
+    assert order.index("scraper") <= 1, f"a first login waited behind known failures: {order}"

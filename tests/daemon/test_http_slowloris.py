@@ -12,7 +12,6 @@ import http.client
 import resource
 import select
 import shutil
-import signal
 import socket
 import ssl
 import subprocess
@@ -22,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.bench.fleet import fd_count, start_daemon
+from kvsidecar.bench.fleet import fd_count, start_daemon, stop_daemon
 from kvsidecar.bench.hostile import Tricklers, _self_signed
 from kvsidecar.daemon.http import WebServer
 from tests.daemon.test_http import FakeHandlers, port_of
@@ -78,12 +77,7 @@ def daemon(shm_dir: str, tmp_path: Path) -> Iterator[Callable[..., tuple[int, in
 
     yield start
     for proc in procs:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+        stop_daemon(proc)
 
 
 def _probe(port: int, path: str, context: ssl.SSLContext | None) -> tuple[int, float]:
