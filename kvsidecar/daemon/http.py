@@ -307,14 +307,9 @@ class _Conn:
     failed: bool = False  # sent wrong credentials: its next checks queue last
 
 
-class _Closed(Exception):
-    """The client went away or stalled: close without an answer."""
-
-
-async def _read_head(reader: asyncio.StreamReader | TLSReader) -> list[bytes] | None:
-    """A request head as lines, None on a clean close before any byte. Bounded in size
-    here; in time by the caller's deadline."""
-    lines: list[bytes] = []
+async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes]) -> bool:
+    """Read a request head into ``lines``; False on a clean close before any byte.
+    Bounded in size here; in time by the caller's deadline."""
     total = 0
     while True:
         try:
@@ -324,7 +319,7 @@ async def _read_head(reader: asyncio.StreamReader | TLSReader) -> list[bytes] | 
             raise BadRequest(*too_long) from None
         except asyncio.IncompleteReadError as e:
             if total == 0 and not e.partial:
-                return None
+                return False
             # Half-closed mid-request: it can still read the answer.
             raise BadRequest(400, "incomplete request head") from None
         total += len(line)
@@ -336,7 +331,7 @@ async def _read_head(reader: asyncio.StreamReader | TLSReader) -> list[bytes] | 
         elif total > MAX_HEAD_BYTES:
             raise BadRequest(431, "request head too large")
         elif line in (b"\r\n", b"\n"):
-            return lines
+            return True
         lines.append(line)
         if len(lines) > MAX_HEADERS + 1:
             raise BadRequest(431, f"more than {MAX_HEADERS} header fields")
@@ -418,7 +413,7 @@ class _Front:
                 return
             while await self._one_request(conn):
                 pass
-        except (_Closed, OSError, TimeoutError, asyncio.IncompleteReadError):
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass  # reset, broken pipe, a TLS error after the handshake: the client's doing
         except asyncio.CancelledError:
             pass  # evicted, or shutting down
@@ -455,17 +450,16 @@ class _Front:
         """Read and answer one request; True to keep the connection for another."""
         web = self.web
         self._set_waiting(conn, True)
-        lines: list[bytes] | None = None
+        lines: list[bytes] = []
         try:
             # One deadline for the whole head (Go's ReadHeaderTimeout), not one per read:
             # a byte every few seconds no longer keeps a request alive forever.
             async with asyncio.timeout(web.request_timeout_s):
-                lines = await _read_head(conn.reader)
-                if lines is None:
+                if not await _read_head(conn.reader, lines):
                     return False
                 request = parse_head(lines)
         except TimeoutError:
-            if lines:  # only a client that said something gets told it was too slow
+            if lines:  # a client that sent a whole request line is told it was too slow
                 await self._error(conn, BadRequest(408, "request head not received in time"))
             return False
         except BadRequest as e:
