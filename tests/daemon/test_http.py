@@ -465,6 +465,7 @@ def test_connection_cap_makes_room_by_closing_the_longest_waiting(
         assert server.stats.snapshot().rejected_connections == 1
     # A connection being answered is never closed to make room: the newcomer is refused.
     handlers.gate = threading.Event()
+    handlers.entered = threading.Semaphore(0)  # forget the /metrics above
     busy = threading.Thread(target=request, args=(server, "/metrics"))
     busy.start()
     try:
