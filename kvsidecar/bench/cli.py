@@ -309,3 +309,54 @@ def soak_cmd(quick: bool, out: str, seconds: float) -> None:
         ],
     )
     report.write_json(out, "soak", r)
+
+
+@bench.command(name="slowloris")
+@quick_option
+@out_option
+@click.option("--connections", type=int, default=1000, show_default=True)
+@click.option("--interval", type=float, default=5.0, show_default=True, help="Seconds per byte.")
+@click.option("--tls", is_flag=True, help="Trickle an unfinished TLS handshake instead.")
+def slowloris_cmd(quick: bool, out: str, connections: int, interval: float, tls: bool) -> None:
+    """Probe latency (/-/healthy, /metrics) while N connections trickle a byte each."""
+    from kvsidecar.bench import hostile
+
+    r = hostile.run_slowloris(quick=quick, connections=connections, tls=tls, interval=interval)
+    report.print_table(
+        f"slowloris: {r['connections']} connections, a byte every {r['interval_s']:g} s"
+        f"{' (TLS)' if r['tls'] else ''}, {r['seconds']:.0f} s; daemon "
+        f"{r['daemon_rss_mb']:.0f} MB RSS, {r['daemon_threads']} threads, {r['daemon_fds']} fds",
+        ["endpoint", "requests", "ok", "p50 ms", "p99 ms", "max ms", "target p99 ms", "met"],
+        [
+            [path, s["requests"], s["ok"], s["p50_ms"], s["p99_ms"], s["max_ms"], target,
+             "yes" if s["ok"] == s["requests"] and s["p99_ms"] < target else "NO"]
+            for path, s, target in (
+                ("/-/healthy", r["healthy"], hostile.HEALTHY_P99_MS),
+                ("/metrics", r["metrics"], hostile.METRICS_P99_MS),
+            )
+        ],
+    )  # fmt: skip
+    report.write_json(out, "slowloris-tls" if tls else "slowloris", r)
+
+
+@bench.command(name="authflood")
+@quick_option
+@out_option
+@click.option("--threads", type=int, default=150, show_default=True)
+@click.option("--distinct", is_flag=True, help="A new wrong password per attempt.")
+def authflood_cmd(quick: bool, out: str, threads: int, distinct: bool) -> None:
+    """First (uncached) login latency under a wrong-password flood (bcrypt cost 10)."""
+    from kvsidecar.bench import hostile
+
+    r = hostile.run_authflood(quick=quick, threads=threads, distinct=distinct)
+    report.print_table(
+        f"authflood: {r['threads']} threads of wrong passwords"
+        f"{' (distinct)' if distinct else ' (the same one)'}, bcrypt cost {r['bcrypt_cost']}",
+        ["logins", "ok", "median ms", "max ms", "flood requests", "target ms", "met"],
+        [
+            [r["logins"], r["ok"], r["median_ms"], r["max_ms"], r["flood_requests"],
+             r["target_ms"], "yes" if r["ok"] == r["logins"] and r["max_ms"] < r["target_ms"]
+             else "NO"]
+        ],
+    )  # fmt: skip
+    report.write_json(out, "authflood-distinct" if distinct else "authflood", r)

@@ -13,6 +13,7 @@ import os
 import shutil
 import signal
 import socket
+import ssl
 import subprocess
 import sys
 import tempfile
@@ -75,11 +76,7 @@ def fleet(ranks: int = 8, pools: int = 4, hz: float = 100.0) -> Iterator[dict[st
         }
     finally:
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(10)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+            stop_daemon(daemon)
         stop.set()
         writer.join(10)
         if writer.is_alive():
@@ -88,11 +85,16 @@ def fleet(ranks: int = 8, pools: int = 4, hz: float = 100.0) -> Iterator[dict[st
 
 
 def start_daemon(
-    shm_dir: str, *args: str, wait_for_source: bool = True, timeout: float = 30.0
+    shm_dir: str,
+    *args: str,
+    wait_for_source: bool = True,
+    timeout: float = 30.0,
+    context: ssl.SSLContext | None = None,
 ) -> tuple[subprocess.Popen, str]:
     """Start ``kvsidecar serve`` on a free loopback port; return it and its base URL once
     it serves a scrape with at least one source (or, without ``wait_for_source``, once
-    ``/-/healthy`` answers). stderr is inherited: an unread pipe could fill and block it."""
+    ``/-/healthy`` answers; over https with ``context``). stderr is inherited: an unread
+    pipe could fill and block it."""
     port = free_port()
     daemon = subprocess.Popen(
         [
@@ -110,12 +112,12 @@ def start_daemon(
         ],
         stdout=subprocess.DEVNULL,
     )
-    url = f"http://127.0.0.1:{port}"
+    url = f"{'https' if context else 'http'}://127.0.0.1:{port}"
     path, marker = ("/metrics", b"kvsidecar_source_up{") if wait_for_source else ("/-/healthy", b"")
     deadline = time.monotonic() + timeout
     while True:
         try:
-            with urllib.request.urlopen(url + path, timeout=2) as r:
+            with urllib.request.urlopen(url + path, timeout=2, context=context) as r:
                 if r.status == 200 and marker in r.read():
                     return daemon, url
         except OSError:
@@ -124,6 +126,16 @@ def start_daemon(
             daemon.kill()
             raise RuntimeError(f"daemon did not come up (exit code {daemon.wait()})")
         time.sleep(0.05)
+
+
+def stop_daemon(daemon: subprocess.Popen, timeout: float = 10.0) -> None:
+    """SIGTERM, then SIGKILL if it has not exited within ``timeout``; reaps it."""
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(timeout)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+        daemon.wait()
 
 
 def proc_stat(pid: int) -> tuple[int, float]:

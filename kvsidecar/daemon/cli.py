@@ -144,12 +144,16 @@ def serve(
 ) -> None:
     """Serve every segment's snapshots: Prometheus /metrics, JSON and health endpoints."""
     from kvsidecar.daemon.app import Daemon
-    from kvsidecar.daemon.http import HTTPStats, WebServer
+    from kvsidecar.daemon.http import HTTPStats, WebServer, raise_fd_limit
     from kvsidecar.daemon.targets import TargetSet
     from kvsidecar.daemon.webconfig import WebConfigError, load_web_config
 
     setup_logging(log_level, log_format)
     log = logging.getLogger("kvsidecar")
+    # Exporter convention: SIGHUP reloads the web config and the daemon keeps serving
+    # (the default action would kill it). Handled in the main loop: a reload takes locks.
+    hangups: list[int] = []
+    signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
     if not os.path.isdir(shm_dir):
         click.echo(
             f"kvsidecar: --shm-dir {shm_dir} is not a directory: create it or point "
@@ -174,6 +178,7 @@ def serve(
         rediscover_interval=rediscover_interval,
         allowed_uids=allowed,
     )
+    raise_fd_limit()  # every HTTP connection is an fd: 1,000 of them need more than 1,024
     stats = HTTPStats()
     daemon = Daemon(
         targets,
@@ -223,7 +228,10 @@ def serve(
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
     while not stopping.wait(0.2):
-        pass
+        if hangups:
+            hangups.clear()
+            log.info("received SIGHUP, reloading the web config")
+            server.reload()
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
     server.shutdown()
     targets.stop()

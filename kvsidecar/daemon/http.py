@@ -5,41 +5,50 @@ Routes: the telemetry path (``/metrics``), ``/api/v1/snapshots``, ``/-/healthy``
 TLS, basic auth (never on the health endpoints: probes carry no credentials),
 extra headers and a rate limit.
 
-Robustness: one thread per connection, so a slow client or a slow TLS
-handshake cannot block accept or other scrapes; a socket timeout drops stalled
-clients; ``max_requests`` answers 503 at once above N concurrent requests
-instead of queueing (node_exporter's ``--web.max-requests``); stdlib limits on
-request line (414) and headers (431).
+Robustness: one event loop thread accepts, handshakes and reads every request head
+under one deadline per head (not per read), so a client trickling bytes costs a socket,
+never a thread; complete requests go to a small pool of worker threads.
+``/-/healthy`` is answered on the loop itself and ``/-/ready`` has threads of its own,
+so probes answer while scrapes are slow or the connection table is full of tricklers.
+At the connection cap the connection that has waited longest for its request head is
+closed. ``max_requests`` answers 503 at once above N concurrent requests instead of
+queueing (node_exporter's ``--web.max-requests``). Malformed requests get 400/414/431/505
+and one throttled log line (`web_request`); bcrypt checks are bounded and fair
+(`web_auth`).
 """
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import errno
 import gzip
 import html
-import http.server
 import logging
-import os
+import resource
 import socket
-import socketserver
 import ssl
-import sys
 import threading
 import time
+from collections import OrderedDict
 from collections.abc import Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
-from urllib.parse import urlsplit
 
-from kvsidecar.daemon.webconfig import (
-    BasicAuth,
-    RateLimitConfig,
-    WebConfig,
-    WebConfigError,
-    build_ssl_context,
-    load_web_config,
-    peer_san_allowed,
+from kvsidecar.daemon.web_auth import AuthGate, BasicAuth
+from kvsidecar.daemon.web_live import LiveConfig, LiveState
+from kvsidecar.daemon.web_request import (
+    MAX_HEAD_BYTES,
+    MAX_HEADERS,
+    MAX_REQUEST_LINE,
+    BadRequest,
+    Request,
+    parse_head,
+    response_head,
 )
+from kvsidecar.daemon.web_tls import TLSReader, TLSWriter, handshake
+from kvsidecar.daemon.webconfig import WebConfig, peer_san_allowed
 
 log = logging.getLogger(__name__)
 
@@ -51,6 +60,7 @@ __all__ = [
     "HistogramSnapshot",
     "WebServer",
     "parse_listen_address",
+    "raise_fd_limit",
 ]
 
 SNAPSHOTS_PATH = "/api/v1/snapshots"
@@ -59,6 +69,10 @@ READY_PATH = "/-/ready"
 LANDING_PATH = "/"
 OTHER = "other"  # handler label for unknown paths and unparseable requests
 _PLAIN = "text/plain; charset=utf-8"
+BACKLOG = 1024  # a burst of connects waits in the kernel, not refused
+FD_RESERVE = 128  # fds kept free of connections: segments, logs, listeners
+FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
+READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
 
 
 class Handlers(Protocol):
@@ -200,116 +214,12 @@ class _Limiter:
             self._sem.release()
 
 
-class _TokenBucket:
-    """exporter-toolkit's ``rate_limit``: one token per interval, up to ``burst``."""
-
-    def __init__(self, cfg: RateLimitConfig) -> None:
-        self.cfg = cfg
-        self._tokens = float(cfg.burst)
-        self._last = time.monotonic()
-        self._lock = threading.Lock()
-
-    def allow(self) -> bool:
-        with self._lock:
-            now = time.monotonic()
-            refill = (now - self._last) / self.cfg.interval_s
-            self._tokens = min(float(self.cfg.burst), self._tokens + refill)
-            self._last = now
-            if self._tokens >= 1:
-                self._tokens -= 1
-                return True
-            return False
-
-
-# --- live web config ---------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class _State:
-    cfg: WebConfig | None
-    ssl_context: ssl.SSLContext | None
-    auth: BasicAuth
-    bucket: _TokenBucket | None
-
-    @classmethod
-    def build(cls, cfg: WebConfig | None, previous: _State | None = None) -> _State:
-        if cfg is None:
-            return cls(None, None, BasicAuth({}), None)
-        ctx = build_ssl_context(cfg.tls) if cfg.tls is not None else None
-        users = dict(cfg.basic_auth_users)
-        # Keep the bcrypt cache and the token bucket across reloads that don't change them.
-        if previous is not None and previous.auth.users == users:
-            auth = previous.auth
-        else:
-            auth = BasicAuth(users)
-        bucket = None
-        if cfg.rate_limit is not None:
-            old = previous.bucket if previous is not None else None
-            bucket = (
-                old
-                if old is not None and old.cfg == cfg.rate_limit
-                else _TokenBucket(cfg.rate_limit)
-            )
-        return cls(cfg, ctx, auth, bucket)
-
-
-def _stamp(paths: Sequence[str]) -> tuple:
-    out = []
-    for p in paths:
-        try:
-            st = os.stat(p)  # follows symlinks: Kubernetes swaps a ..data symlink on update
-            out.append((p, st.st_mtime_ns, st.st_size, st.st_ino))
-        except OSError:
-            out.append((p, None))
-    return tuple(out)
-
-
-class _LiveConfig:
-    """The current web config. Like exporter-toolkit, the file is re-read when it or a
-    certificate changes, so rotated certificates and users apply without a restart;
-    a broken new version is logged and the last good one stays in force."""
-
-    def __init__(self, cfg: WebConfig | None, check_interval_s: float) -> None:
-        self._state = _State.build(cfg)
-        self._interval = check_interval_s
-        self._stamp = _stamp(cfg.files) if cfg is not None and cfg.path else None
-        self._next = time.monotonic() + check_interval_s
-        self._lock = threading.Lock()
-
-    def current(self) -> _State:
-        if self._stamp is None or time.monotonic() < self._next:
-            return self._state
-        with self._lock:
-            if time.monotonic() < self._next:
-                return self._state
-            self._next = time.monotonic() + self._interval
-            old = self._state
-            assert old.cfg is not None and old.cfg.path is not None
-            stamp = _stamp(old.cfg.files)
-            if stamp == self._stamp:
-                return old
-            self._stamp = stamp  # don't retry a broken file until it changes again
-            try:
-                cfg = load_web_config(old.cfg.path)
-                if (cfg.tls is None) != (old.cfg.tls is None):
-                    raise WebConfigError(
-                        f"{cfg.path}: TLS can only be turned on or off with a restart"
-                    )
-                self._state = _State.build(cfg, previous=old)
-                self._stamp = _stamp(cfg.files)
-            except (WebConfigError, OSError) as e:
-                log.error("web config changed but is invalid, keeping the previous one: %s", e)
-                return old
-            log.info("reloaded web config %s", cfg.path)
-            return self._state
-
-
 # --- listen addresses --------------------------------------------------------------------------
 
 
 def parse_listen_address(address: str) -> tuple[str, int]:
-    """Split ``host:port`` as Go does: ``:9400`` (all interfaces), ``0.0.0.0:9400``,
-    ``[::1]:9400``, ``localhost:0``. Raises ValueError with the accepted forms."""
+    """Split ``host:port`` as Go does: ``:19440`` (all interfaces), ``0.0.0.0:19440``,
+    ``[::1]:19440``, ``localhost:0``. Raises ValueError with the accepted forms."""
     hint = "use host:port, :port or [ipv6]:port"
     if address.startswith("["):
         host, sep, rest = address[1:].partition("]")
@@ -322,7 +232,7 @@ def parse_listen_address(address: str) -> tuple[str, int]:
             raise ValueError(f"invalid listen address {address!r}: missing port; {hint}")
         if ":" in host:
             raise ValueError(
-                f"invalid listen address {address!r}: IPv6 needs brackets, e.g. [::1]:9400"
+                f"invalid listen address {address!r}: IPv6 needs brackets, e.g. [::1]:19440"
             )
     if not port_text.isdigit() or int(port_text) > 65535:
         raise ValueError(f"invalid listen address {address!r}: port must be 0-65535")
@@ -334,253 +244,409 @@ def _format_address(sockaddr: tuple) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
-# --- server ------------------------------------------------------------------------------------
+def _listen_socket(
+    sockaddr: tuple, family: socket.AddressFamily, dualstack: bool = False
+) -> socket.socket:
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        if dualstack:
+            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
+        sock.bind(sockaddr)
+        sock.listen(BACKLOG)
+    except BaseException:
+        sock.close()
+        raise
+    return sock
 
 
-class _Server(socketserver.ThreadingMixIn, socketserver.TCPServer):
-    """One listening socket. socketserver.TCPServer rather than http.server.HTTPServer:
-    the latter calls getfqdn() on bind, a DNS lookup that can stall startup."""
+# --- connections -------------------------------------------------------------------------------
 
-    daemon_threads = True
-    block_on_close = False  # shutdown must not wait for stalled clients
-    allow_reuse_address = True
-    request_queue_size = 128
 
-    def __init__(
-        self, sockaddr: tuple, family: socket.AddressFamily, web: WebServer, dualstack: bool = False
-    ) -> None:
-        self.address_family = family
-        self.web = web
-        super().__init__(sockaddr, _RequestHandler, bind_and_activate=False)
+def raise_fd_limit() -> int:
+    """Raise the soft RLIMIT_NOFILE to the hard limit (each connection is an fd); the new
+    soft limit. Idempotent; a refusal (rare: a seccomp filter) keeps the old limit."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or soft < hard:
+        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
         try:
-            if dualstack:
-                self.socket.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-            self.server_bind()
-            self.server_activate()
-        except BaseException:
-            self.server_close()
-            raise
+            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
+            soft = target
+        except (OSError, ValueError) as e:
+            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, e)
+    return soft
 
-    def get_request(self) -> tuple[socket.socket, Any]:
-        sock, addr = self.socket.accept()
-        sock.settimeout(self.web.request_timeout_s)  # bounds the handshake and every read
-        return sock, addr
 
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self.web._connections.try_acquire():
+class _Throttled:
+    """One log line per ``interval_s`` at most, saying how many were held back: a flood
+    of bad requests must not become a flood of log lines."""
+
+    def __init__(self, level: int, interval_s: float = 1.0) -> None:
+        self.level, self.interval_s = level, interval_s
+        self._next = 0.0
+        self._held = 0
+
+    def __call__(self, msg: str, *args: object) -> None:
+        now = time.monotonic()
+        if now < self._next:
+            self._held += 1
+            return
+        if self._held:
+            msg += f" ({self._held} similar not logged)"
+        self._next, self._held = now + self.interval_s, 0
+        log.log(self.level, msg, *args)
+
+
+@dataclass(eq=False)
+class _Conn:
+    reader: asyncio.StreamReader | TLSReader
+    writer: asyncio.StreamWriter | TLSWriter
+    peer: str  # host:port, for the log
+    host: str  # the address alone: the auth queue's fairness key
+    task: asyncio.Task | None = None
+    failed: bool = False  # sent wrong credentials: its next checks queue last
+
+
+async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes]) -> bool:
+    """Read a request head into ``lines``; False on a clean close before any byte.
+    Bounded in size here; in time by the caller's deadline."""
+    total = 0
+    while True:
+        try:
+            line = await reader.readuntil(b"\n")
+        except asyncio.LimitOverrunError:
+            too_long = (431, "header too large") if lines else (414, "request line too long")
+            raise BadRequest(*too_long) from None
+        except asyncio.IncompleteReadError as e:
+            if total == 0 and not e.partial:
+                return False
+            # Half-closed mid-request: it can still read the answer.
+            raise BadRequest(400, "incomplete request head") from None
+        total += len(line)
+        if not lines:
+            if len(line) > MAX_REQUEST_LINE + 2:
+                raise BadRequest(414, "request line too long")
+            if line in (b"\r\n", b"\n") and total <= 8:
+                continue  # RFC 9112 2.2: ignore a few empty lines before a request
+        elif total > MAX_HEAD_BYTES:
+            raise BadRequest(431, "request head too large")
+        elif line in (b"\r\n", b"\n"):
+            return True
+        lines.append(line)
+        if len(lines) > MAX_HEADERS + 1:
+            raise BadRequest(431, f"more than {MAX_HEADERS} header fields")
+
+
+class _Front:
+    """The asyncio side: accepts, TLS handshakes and request heads for every connection in
+    one thread, under a deadline per request head. Only complete requests reach the
+    worker threads, so an idle or trickling client costs a socket and a few KB, never a
+    thread. /-/healthy is answered right here; /-/ready and basic auth have threads of
+    their own, so neither queues behind rendering (nor each other)."""
+
+    def __init__(self, web: WebServer, max_connections: int) -> None:
+        self.web = web
+        self.max_connections = max_connections
+        self.loop = asyncio.new_event_loop()
+        self.loop.set_exception_handler(self._loop_error)
+        workers = web.max_requests or 64  # 0 = no 503; rendering still needs a bound
+        self.render_pool = ThreadPoolExecutor(workers, "kvsidecar-http")
+        self.probe_pool = ThreadPoolExecutor(2, "kvsidecar-probe")
+        self.auth_gate = AuthGate()
+        self.open: set[_Conn] = set()
+        # Connections waiting for a request head (or a handshake), oldest first: the ones
+        # closed to make room when the cap is reached. Busy ones are never evicted.
+        self.waiting: OrderedDict[_Conn, None] = OrderedDict()
+        self.servers: list[asyncio.base_events.Server] = []
+        self.log_bad = _Throttled(logging.INFO)
+        self.log_loop = _Throttled(logging.WARNING)
+
+    def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
+        exc = context.get("exception")
+        self.log_loop("http: %s%s", context.get("message", "error"), f": {exc!r}" if exc else "")
+
+    # -- admission --
+
+    def _admit(self, conn: _Conn) -> bool:
+        if self.max_connections and len(self.open) >= self.max_connections:
             self.web.stats.connection_rejected()
-            self.shutdown_request(request)
+            if not self.waiting:
+                return False  # every connection is being answered: refuse the newcomer
+            victim, _ = self.waiting.popitem(last=False)
+            self._drop(victim)
+        self.open.add(conn)
+        self.waiting[conn] = None
+        return True
+
+    def _drop(self, conn: _Conn) -> None:
+        self.open.discard(conn)
+        self.waiting.pop(conn, None)
+        conn.writer.transport.abort()
+        if conn.task is not None and conn.task is not asyncio.current_task(self.loop):
+            conn.task.cancel()
+
+    def _set_waiting(self, conn: _Conn, waiting: bool) -> None:
+        if waiting:
+            self.waiting[conn] = None  # to the young end: it just did something useful
+            self.waiting.move_to_end(conn)
+        else:
+            self.waiting.pop(conn, None)
+
+    # -- one connection --
+
+    async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        peername = writer.get_extra_info("peername") or ("?", 0)
+        conn = _Conn(reader, writer, _format_address(peername), str(peername[0]))
+        conn.task = asyncio.current_task()
+        sock = writer.get_extra_info("socket")
+        if sock is not None:
+            # asyncio only sets this for sockets it created itself (proto 6); without it a
+            # reply sent while TLS session tickets are unacknowledged waits 40 ms.
+            with contextlib.suppress(OSError):
+                sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        if not self._admit(conn):
+            writer.transport.abort()
             return
         try:
-            super().process_request(request, client_address)  # starts the connection thread
-        except BaseException:
-            self.web._connections.release()
-            raise
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        conn = request
-        linger = False
-        try:
             state = self.web._live.current()
-            if state.ssl_context is not None:
-                conn = self._handshake(request, client_address, state)
-                if conn is None:
-                    return
-            handler = _RequestHandler(conn, client_address, self)
-            linger = handler.linger
-        except Exception:
-            self.handle_error(conn, client_address)
+            if state.ssl_context is not None and not await self._handshake(conn, state):
+                return
+            while await self._one_request(conn):
+                pass
+        except (OSError, TimeoutError, asyncio.IncompleteReadError):
+            pass  # reset, broken pipe, a TLS error after the handshake: the client's doing
+        except asyncio.CancelledError:
+            pass  # evicted, or shutting down
+        except Exception as e:  # a bug: one line, never a traceback per request
+            log.error("http: connection from %s failed: %r", conn.peer, e)
+            log.debug("http: traceback", exc_info=True)
         finally:
-            if conn is not None:
-                self._close(conn, linger)
-            self.web._connections.release()
+            self.open.discard(conn)
+            self.waiting.pop(conn, None)
+            if not writer.transport.is_closing():
+                writer.transport.abort()
 
-    def _handshake(
-        self, sock: socket.socket, client_address: Any, state: _State
-    ) -> ssl.SSLSocket | None:
-        # Here, in the connection's thread, so a slow or silent TLS client costs
-        # only its own thread; the socket timeout bounds it.
+    async def _handshake(self, conn: _Conn, state: LiveState) -> bool:
         assert state.ssl_context is not None and state.cfg is not None
         tls = state.cfg.tls
-        conn = state.ssl_context.wrap_socket(sock, server_side=True, do_handshake_on_connect=False)
         try:
-            conn.do_handshake()
+            async with asyncio.timeout(self.web.request_timeout_s):
+                reader, writer = await handshake(state.ssl_context, conn.reader, conn.writer)
             if (
                 tls is not None
                 and tls.client_allowed_sans
-                and not peer_san_allowed(conn.getpeercert(), tls.client_allowed_sans)
+                and not peer_san_allowed(writer.get_extra_info("peercert"), tls.client_allowed_sans)
             ):
                 raise ssl.SSLError("client certificate SANs not in client_allowed_sans")
-        except (OSError, ValueError) as e:
+        except (OSError, ValueError, TimeoutError) as e:
             self.web.stats.tls_handshake_failed()
-            log.debug("TLS handshake with %s failed: %s", client_address, e)
-            conn.close()
-            return None
-        return conn
+            log.debug("TLS handshake with %s failed: %r", conn.peer, e)
+            return False
+        reader.limit = MAX_HEAD_BYTES
+        conn.reader, conn.writer = reader, writer
+        return True
 
-    def _close(self, conn: socket.socket, linger: bool) -> None:
+    async def _one_request(self, conn: _Conn) -> bool:
+        """Read and answer one request; True to keep the connection for another."""
+        web = self.web
+        self._set_waiting(conn, True)
+        lines: list[bytes] = []
         try:
-            conn.shutdown(socket.SHUT_WR)
-            if linger:
-                # After an error reply the client may still be sending (a huge header):
-                # closing with unread data sends RST, which can destroy the reply before
-                # the client reads it. Drain briefly first, as Go's net/http does.
-                deadline = time.monotonic() + 1.0
-                received = 0
-                while received < (1 << 20) and (left := deadline - time.monotonic()) > 0:
-                    conn.settimeout(left)
-                    chunk = conn.recv(65536)
+            # One deadline for the whole head (Go's ReadHeaderTimeout), not one per read:
+            # a byte every few seconds no longer keeps a request alive forever.
+            async with asyncio.timeout(web.request_timeout_s):
+                if not await _read_head(conn.reader, lines):
+                    return False
+                request = parse_head(lines)
+        except TimeoutError:
+            if lines:  # a client that sent a whole request line is told it was too slow
+                await self._error(conn, BadRequest(408, "request head not received in time"))
+            return False
+        except BadRequest as e:
+            await self._error(conn, e)
+            return False
+        self._set_waiting(conn, False)
+        t0 = time.monotonic()
+        status, route = await self._answer(conn, request)
+        web.stats.observe(route, status, time.monotonic() - t0)
+        return request.keep_alive
+
+    async def _error(self, conn: _Conn, error: BadRequest) -> None:
+        self._set_waiting(conn, False)
+        self.log_bad("http: %d from %s: %s", error.status, conn.peer, error.reason)
+        self.web.stats.observe(OTHER, error.status, 0.0)
+        body = f"{error.status} {error.reason}\n".encode()
+        await self._write(
+            conn, error.status, body, error.headers, _PLAIN, close=True, head_only=False
+        )
+        await self._linger(conn)
+
+    async def _answer(self, conn: _Conn, request: Request) -> tuple[int, str]:
+        web = self.web
+        route = web._routes.get(request.path)
+        state = web._live.current()
+        headers = dict(state.cfg.http.headers) if state.cfg is not None else {}
+        ctype = _PLAIN
+        close = not request.keep_alive
+        if route == HEALTHY_PATH:
+            status, body = 200, b"OK"  # always, never behind auth: probes carry no credentials
+        elif route == READY_PATH:
+            ok, reason = await self._ready()
+            status, body = (200, b"OK") if ok else (503, (reason or "not ready").encode())
+        elif state.bucket is not None and not state.bucket.allow():
+            status, body = 429, b"429 too many requests\n"
+        elif (
+            state.auth.enabled
+            and (verdict := await self._authorized(conn, state, request)) is not True
+        ):
+            if verdict is None:
+                status, body = 429, b"429 too many authentication attempts, try again later\n"
+            else:
+                if request.header("authorization"):
+                    # Wrong credentials answer after a pause (known and unknown users
+                    # alike): a coroutine asleep costs nothing, and a flood repeating a
+                    # cached wrong password can no longer saturate the loop.
+                    await asyncio.sleep(FAILED_AUTH_DELAY_S)
+                headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
+                status, body = 401, b"401 unauthorized\n"
+        elif route is None:
+            status, body = 404, b"404 page not found\n"
+        elif not web._requests.try_acquire():
+            # Refuse at once rather than queue: a queued scrape would time out anyway.
+            status, body = 503, b"503 too many concurrent requests, try again later\n"
+        else:
+            web.stats.request_started()
+            try:
+                body, ctype, extra = await self.loop.run_in_executor(
+                    self.render_pool, web._render, route, request
+                )
+                status = 200
+                headers.update(extra)
+            except Exception:
+                log.exception("rendering %s failed", route)
+                status, body, ctype = (
+                    500,
+                    b"500 internal server error, see the kvsidecar log\n",
+                    _PLAIN,
+                )
+            finally:
+                web.stats.request_finished()
+                web._requests.release()
+        if request.version < (1, 1) and not close:
+            headers["Connection"] = "keep-alive"  # HTTP/1.0 closes unless told otherwise
+        await self._write(conn, status, body, headers, ctype, close, request.method == "HEAD")
+        if close and request.has_body:
+            await self._linger(conn)  # the unread body must not turn the close into a RST
+        elif close:
+            self._close(conn)
+        return status, route or OTHER
+
+    async def _ready(self) -> tuple[bool, str]:
+        try:
+            return await asyncio.wait_for(
+                self.loop.run_in_executor(self.probe_pool, self.web.handlers.ready),
+                READY_TIMEOUT_S,
+            )
+        except TimeoutError:
+            return False, f"not ready: readiness check took over {READY_TIMEOUT_S:g} s"
+        except Exception as e:
+            log.exception("readiness check failed")
+            return False, f"readiness check failed: {e}"
+
+    async def _authorized(self, conn: _Conn, state: LiveState, request: Request) -> bool | None:
+        """True, False, or None when too many checks are queued (answered 429)."""
+        creds = BasicAuth.parse_header(request.header("authorization") or None)
+        if creds is None:
+            return False
+        cached = state.auth.lookup(*creds)
+        if cached is not None:
+            conn.failed = conn.failed or not cached
+            return cached
+        auth = state.auth
+        ok = await self.auth_gate.run(conn.host, lambda: auth.verify(*creds), conn.failed)
+        conn.failed = conn.failed or ok is False
+        return ok
+
+    async def _write(
+        self,
+        conn: _Conn,
+        status: int,
+        body: bytes,
+        headers: Mapping[str, str],
+        ctype: str,
+        close: bool,
+        head_only: bool,
+    ) -> None:
+        items = [("Content-Type", ctype), ("Content-Length", str(len(body))), *headers.items()]
+        head = response_head(status, items, close=close)
+        if head_only:
+            conn.writer.write(head)
+        elif len(body) < 16384:
+            conn.writer.write(head + body)  # one segment: small answers arrive whole
+        else:
+            conn.writer.write(head)
+            conn.writer.write(body)
+        # A client that does not read its answer is dropped after the same deadline.
+        async with asyncio.timeout(self.web.request_timeout_s):
+            await conn.writer.drain()
+
+    def _close(self, conn: _Conn) -> None:
+        self.open.discard(conn)
+        conn.writer.close()
+
+    async def _linger(self, conn: _Conn) -> None:
+        # After an error the client may still be sending (a huge header): closing with
+        # unread data sends RST, which can destroy the reply before the client reads it.
+        # Half-close, then drain briefly, as Go's net/http does.
+        try:
+            if conn.writer.can_write_eof():
+                conn.writer.write_eof()
+            received = 0
+            async with asyncio.timeout(1.0):
+                while received < (1 << 20):
+                    chunk = await conn.reader.read(65536)
                     if not chunk:
                         break
                     received += len(chunk)
-        except (OSError, ValueError):
+        except (OSError, TimeoutError, RuntimeError):
             pass
-        finally:
-            conn.close()
+        self._close(conn)
 
-    def handle_error(self, request: Any, client_address: Any) -> None:
-        exc = sys.exc_info()[1]
-        if isinstance(exc, OSError):  # reset, broken pipe, timeout: the client's doing
-            log.debug("connection from %s ended: %s", client_address, exc)
-        else:
-            log.exception("error serving %s", client_address)
+    # -- lifecycle --
 
-
-class _RequestHandler(http.server.BaseHTTPRequestHandler):
-    server: _Server
-    protocol_version = "HTTP/1.1"  # keep-alive: Prometheus reuses connections
-    server_version = "kvsidecar"
-    sys_version = ""  # don't advertise the Python version
-    disable_nagle_algorithm = True  # headers and body go out in separate writes
-    # Errors for unparseable request lines get a status line and headers (the stdlib
-    # default, HTTP/0.9, sends a bare body that no client can interpret).
-    default_request_version = "HTTP/1.0"
-
-    def setup(self) -> None:
-        self.linger = False
-        self._route = OTHER
-        self._code: int | None = None
-        self._t0: float | None = None
-        super().setup()
-
-    # -- bookkeeping --
-
-    def handle_one_request(self) -> None:
-        self._route, self._code, self._t0 = OTHER, None, None
+    def run(self, sockets: Sequence[socket.socket], started: threading.Event) -> None:
+        asyncio.set_event_loop(self.loop)
         try:
-            super().handle_one_request()
+            for sock in sockets:
+                server = self.loop.run_until_complete(
+                    asyncio.start_server(
+                        self.client, sock=sock, limit=MAX_HEAD_BYTES, backlog=BACKLOG
+                    )
+                )
+                self.servers.append(server)
         finally:
-            if self._code is not None:
-                now = time.monotonic()
-                self.server.web.stats.observe(self._route, self._code, now - (self._t0 or now))
+            started.set()
+        self.loop.run_forever()
+        # Stopped: drop what is left, let cancelled tasks finish, then close the loop.
+        for conn in list(self.open):
+            self._drop(conn)
+        pending = [t for t in asyncio.all_tasks(self.loop) if not t.done()]
+        for t in pending:
+            t.cancel()
+        if pending:
+            self.loop.run_until_complete(asyncio.wait(pending, timeout=2))
+        self.loop.close()
 
-    def parse_request(self) -> bool:
-        self._t0 = time.monotonic()  # after the request line arrived: not keep-alive idle time
-        if not super().parse_request():
-            return False
-        if len(self.requestline.split()) != 3:
-            self.close_connection = True
-            self.send_error(400, "HTTP/0.9 requests are not supported")
-            return False
-        if self.command not in ("GET", "HEAD"):
-            self.close_connection = True  # a body may follow that we won't read
-            self._send(405, b"405 method not allowed\n", {"Allow": "GET, HEAD"})
-            return False
-        if self.headers.get("Transfer-Encoding") or self.headers.get("Content-Length", "0") != "0":
-            self.close_connection = True  # a GET with a body: unread, so no keep-alive
-        return True
+    def stop(self) -> None:
+        def _stop() -> None:
+            for server in self.servers:
+                server.close()
+            self.loop.stop()
 
-    def log_request(self, code: int | str = "-", size: int | str = "-") -> None:
-        if isinstance(code, int) or str(code).isdigit():
-            self._code = int(code)
-        if self._code is not None and self._code >= 400:
-            self.linger = True
-        log.debug('%s "%s" %s', self.address_string(), self.requestline, code)
-
-    def log_message(self, format: str, *args: Any) -> None:
-        log.debug("%s " + format, self.address_string(), *args)
-
-    # -- serving --
-
-    def do_GET(self) -> None:
-        self._serve()
-
-    def do_HEAD(self) -> None:
-        self._serve()
-
-    def _serve(self) -> None:
-        web = self.server.web
-        path = urlsplit(self.path).path
-        route = web._routes.get(path)
-        self._route = route or OTHER
-        state = web._live.current()
-        headers = dict(state.cfg.http.headers) if state.cfg is not None else {}
-
-        if route == HEALTHY_PATH:
-            # Always 200 while serving, never behind auth: probes carry no credentials.
-            self._send(200, b"OK", headers)
-            return
-        if route == READY_PATH:
-            try:
-                ok, reason = web.handlers.ready()
-            except Exception as e:
-                log.exception("readiness check failed")
-                ok, reason = False, f"readiness check failed: {e}"
-            self._send(
-                200 if ok else 503, b"OK" if ok else (reason or "not ready").encode(), headers
-            )
-            return
-        if state.bucket is not None and not state.bucket.allow():
-            self._send(429, b"429 too many requests\n", headers)
-            return
-        if state.auth.enabled and not state.auth.check_header(self.headers.get("Authorization")):
-            headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
-            self._send(401, b"401 unauthorized\n", headers)
-            return
-        if route is None:
-            self._send(404, b"404 page not found\n", headers)
-            return
-        if not web._requests.try_acquire():
-            # Refuse at once rather than queue: a queued scrape would time out anyway.
-            self._send(503, b"503 too many concurrent requests, try again later\n", headers)
-            return
-        web.stats.request_started()
-        try:
-            body, ctype = self._render(route)
-            headers["Vary"] = "Accept-Encoding"
-            if _accepts_gzip(self.headers.get("Accept-Encoding", "")):
-                body = _gzip_cached(body)
-                headers["Content-Encoding"] = "gzip"
-        except Exception:
-            log.exception("rendering %s failed", route)
-            self._send(500, b"500 internal server error, see the kvsidecar log\n", headers)
-            return
-        finally:
-            web.stats.request_finished()
-            web._requests.release()
-        self._send(200, body, headers, ctype)
-
-    def _render(self, route: str) -> tuple[bytes, str]:
-        web = self.server.web
-        if route == web.telemetry_path:
-            return web.handlers.metrics(self.headers.get("Accept", ""))
-        if route == SNAPSHOTS_PATH:
-            return web.handlers.snapshots_json(), "application/json"
-        return web.landing_page(), "text/html; charset=utf-8"
-
-    def _send(
-        self, code: int, body: bytes, headers: Mapping[str, str], content_type: str = _PLAIN
-    ) -> None:
-        self.send_response(code)
-        self.send_header("Content-Type", content_type)
-        self.send_header("Content-Length", str(len(body)))
-        for name, value in headers.items():
-            self.send_header(name, value)
-        if self.close_connection:
-            self.send_header("Connection", "close")
-        self.end_headers()
-        if self.command != "HEAD":
-            self.wfile.write(body)
+        self.loop.call_soon_threadsafe(_stop)
+        for pool in (self.render_pool, self.probe_pool):
+            pool.shutdown(wait=False, cancel_futures=True)
+        self.auth_gate.close()
 
 
 _gzip_last: tuple[bytes, bytes] = (b"", gzip.compress(b"", mtime=0))
@@ -621,9 +687,12 @@ def _accepts_gzip(accept_encoding: str) -> bool:
 class WebServer:
     """The daemon's HTTP(S) server on one or more listen addresses.
 
-    ``max_requests`` caps requests rendered at once (0 = unlimited; health
-    endpoints are exempt), ``max_connections`` caps open connections (each costs
-    a thread), ``request_timeout_s`` drops clients that stall a read or handshake.
+    ``max_requests`` caps requests rendered at once (0 = no cap: up to 64 at once, the
+    rest queue; health endpoints are exempt). ``max_connections`` caps open connections;
+    at the cap the connection that has waited longest for its request is closed to make
+    room, so clients that never finish a request cannot lock out those that do.
+    ``request_timeout_s`` bounds a TLS handshake, a whole request head (and the idle time
+    before it) and the writing of an answer.
     """
 
     def __init__(
@@ -634,8 +703,8 @@ class WebServer:
         telemetry_path: str = "/metrics",
         web_config: WebConfig | None = None,
         max_requests: int = 40,
-        max_connections: int = 256,
-        request_timeout_s: float = 15.0,
+        max_connections: int = 1024,
+        request_timeout_s: float = 10.0,
         stats: HTTPStats | None = None,
         realm: str = "kvsidecar",
         title: str = "kvsidecar",
@@ -659,6 +728,8 @@ class WebServer:
             raise ValueError("max_requests and max_connections must be >= 0 (0 = unlimited)")
         self.handlers = handlers
         self.telemetry_path = telemetry_path
+        self.max_requests = max_requests
+        self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
@@ -668,12 +739,12 @@ class WebServer:
             p: p for p in (telemetry_path, SNAPSHOTS_PATH, HEALTHY_PATH, READY_PATH, LANDING_PATH)
         }
         self._requests = _Limiter(max_requests)
-        self._connections = _Limiter(max_connections)
-        self._live = _LiveConfig(web_config, config_check_interval_s)
+        self._live = LiveConfig(web_config, config_check_interval_s)
         for note in web_config.notes if web_config is not None else ():
             log.warning("web config: %s", note)
-        self._servers: list[_Server] = []
-        self._threads: list[threading.Thread] = []
+        self._sockets: list[socket.socket] = []
+        self._front: _Front | None = None
+        self._thread: threading.Thread | None = None
 
     @property
     def tls(self) -> bool:
@@ -682,59 +753,73 @@ class WebServer:
     @property
     def addresses(self) -> list[str]:
         """The bound addresses as host:port ([v6]:port), with real ports for port 0."""
-        return [_format_address(s.socket.getsockname()) for s in self._servers]
+        return [_format_address(s.getsockname()) for s in self._sockets]
+
+    def reload(self) -> bool:
+        """Re-read the web config file now (SIGHUP); False if the new one is invalid and
+        the previous one stays in force."""
+        return self._live.reload()
 
     def start(self) -> None:
-        """Bind every address (all or none), then serve each from its own thread."""
-        if self._servers:
+        """Bind every address (all or none), then serve them all from one event loop."""
+        if self._thread is not None:
             raise RuntimeError("WebServer already started")
         try:
             for text, host, port in self._listen:
                 try:
-                    self._servers.append(self._bind(host, port))
+                    self._sockets.append(self._bind(host, port))
                 except OSError as e:
                     raise OSError(e.errno, f"cannot listen on {text}: {e.strerror or e}") from e
         except BaseException:
-            for srv in self._servers:
-                srv.server_close()
-            self._servers.clear()
+            for sock in self._sockets:
+                sock.close()
+            self._sockets.clear()
             raise
+        cap = self.max_connections
+        # Leave fds for segments, logs and the listeners; past the limit accept fails.
+        fd_room = max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE)
+        if cap == 0 or cap > fd_room:
+            if cap:
+                log.warning("max connections %d lowered to %d by the open-file limit", cap, fd_room)
+            cap = fd_room
+        self._front = _Front(self, cap)
+        started = threading.Event()
+        self._thread = threading.Thread(
+            target=self._front.run,
+            args=(self._sockets, started),
+            name="kvsidecar-http",
+            daemon=True,
+        )
+        self._thread.start()
+        started.wait()
         scheme = "https" if self.tls else "http"
-        for srv in self._servers:
-            addr = _format_address(srv.socket.getsockname())
-            t = threading.Thread(
-                target=srv.serve_forever,
-                kwargs={"poll_interval": 0.2},
-                name=f"kvsidecar-http {addr}",
-                daemon=True,
-            )
-            t.start()
-            self._threads.append(t)
-            log.info("listening on %s://%s", scheme, addr)
+        for address in self.addresses:
+            log.info("listening on %s://%s", scheme, address)
 
-    def _bind(self, host: str, port: int) -> _Server:
+    def _bind(self, host: str, port: int) -> socket.socket:
         if host == "":
             # ":port" means every interface: IPv6 dual-stack when the kernel has it.
             if socket.has_dualstack_ipv6():
                 try:
-                    return _Server(("::", port), socket.AF_INET6, self, dualstack=True)
+                    return _listen_socket(("::", port), socket.AF_INET6, dualstack=True)
                 except OSError as e:
                     if e.errno == errno.EADDRINUSE:
                         raise
-            return _Server(("0.0.0.0", port), socket.AF_INET, self)
+            return _listen_socket(("0.0.0.0", port), socket.AF_INET)
         infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
         family, _, _, _, sockaddr = infos[0]
-        return _Server(sockaddr, family, self)
+        return _listen_socket(sockaddr, family)
 
     def shutdown(self) -> None:
-        """Stop accepting and close the listeners; in-flight requests finish on their own."""
-        for srv in self._servers:
-            srv.shutdown()
-            srv.server_close()
-        for t in self._threads:
-            t.join(timeout=5)
-        self._servers.clear()
-        self._threads.clear()
+        """Stop accepting, close the listeners and every connection."""
+        if self._front is not None:
+            self._front.stop()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for sock in self._sockets:
+            sock.close()
+        self._sockets.clear()
+        self._front = self._thread = None
 
     def __enter__(self) -> WebServer:
         self.start()
@@ -742,6 +827,20 @@ class WebServer:
 
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
+
+    def _render(self, route: str, request: Request) -> tuple[bytes, str, dict[str, str]]:
+        """Runs on a worker thread: the body, its type and encoding headers."""
+        if route == self.telemetry_path:
+            body, ctype = self.handlers.metrics(request.header("accept"))
+        elif route == SNAPSHOTS_PATH:
+            body, ctype = self.handlers.snapshots_json(), "application/json"
+        else:
+            body, ctype = self.landing_page(), "text/html; charset=utf-8"
+        headers = {"Vary": "Accept-Encoding"}
+        if _accepts_gzip(request.header("accept-encoding")):
+            body = _gzip_cached(body)
+            headers["Content-Encoding"] = "gzip"
+        return body, ctype, headers
 
     def landing_page(self) -> bytes:
         links = [

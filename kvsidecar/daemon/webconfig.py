@@ -19,24 +19,20 @@ Differences from exporter-toolkit, all reported as errors or `WebConfig.notes`:
 
 from __future__ import annotations
 
-import base64
-import binascii
-import hashlib
 import ipaddress
 import logging
 import os
 import re
 import ssl
 import tempfile
-import threading
-import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import bcrypt
 import yaml
+
+from kvsidecar.daemon.web_auth import BasicAuth  # re-exported: the public name lives here
 
 log = logging.getLogger(__name__)
 
@@ -545,70 +541,3 @@ def peer_san_allowed(peercert: Mapping[str, Any] | None, allowed: Sequence[str])
         elif value in allowed_set:
             return True
     return False
-
-
-# --- basic auth --------------------------------------------------------------------------------
-
-# Checked when the user is unknown, so unknown and known users take the same time
-# (exporter-toolkit does the same). bcrypt of a random string, cost 10.
-_DUMMY_HASH = b"$2b$10$bDOewQm6ZLmj4z/qZBtlVuen8WmXsKfohPEEOi2UTWIgYzxal1UJG"
-
-
-class BasicAuth:
-    """Verifies basic-auth credentials against bcrypt hashes, caching successes.
-
-    bcrypt is deliberately slow (~50-250 ms), too slow for every scrape. Only
-    successes are cached, keyed by (user, stored hash, sha256(password)): a wrong
-    password never matches a cached entry, and a changed hash invalidates it.
-    Misses are serialized, as exporter-toolkit does, to bound CPU under a flood.
-    """
-
-    def __init__(self, users: Mapping[str, str], cache_size: int = 256) -> None:
-        self.users = dict(users)
-        self._cache: dict[tuple[str, str, bytes], float] = {}
-        self._cache_size = cache_size
-        self._cache_lock = threading.Lock()
-        self._bcrypt_lock = threading.Lock()
-
-    @property
-    def enabled(self) -> bool:
-        return bool(self.users)
-
-    def check(self, user: str, password: str) -> bool:
-        hashed = self.users.get(user)
-        # bcrypt only looks at 72 bytes; Go's bcrypt and htpasswd truncate silently too.
-        pw = password.encode("utf-8")[:72]
-        key = (user, hashed or "", hashlib.sha256(pw).digest())
-        if hashed is not None:
-            with self._cache_lock:
-                if key in self._cache:
-                    return True
-        with self._bcrypt_lock:
-            try:
-                ok = bcrypt.checkpw(pw, hashed.encode() if hashed else _DUMMY_HASH)
-            except ValueError:
-                ok = False
-        if not (ok and hashed is not None):
-            return False
-        with self._cache_lock:
-            if len(self._cache) >= self._cache_size:
-                # Drop the oldest entry; the cache only ever holds real users' passwords.
-                del self._cache[min(self._cache, key=self._cache.__getitem__)]
-            self._cache[key] = time.monotonic()
-        return True
-
-    def check_header(self, authorization: str | None) -> bool:
-        """Check an ``Authorization: Basic ...`` header value."""
-        if not authorization:
-            return False
-        scheme, _, token = authorization.strip().partition(" ")
-        if scheme.lower() != "basic":
-            return False
-        try:
-            decoded = base64.b64decode(token.strip(), validate=True).decode("utf-8")
-        except (binascii.Error, UnicodeDecodeError):
-            return False
-        user, sep, password = decoded.partition(":")
-        if not sep:
-            return False
-        return self.check(user, password)

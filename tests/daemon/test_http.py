@@ -443,23 +443,52 @@ def test_huge_headers(serve: Callable[..., WebServer]) -> None:
     assert request(server, "/metrics")[0] == 200
 
 
-def test_max_connections(serve: Callable[..., WebServer]) -> None:
+def _closed_by_server(sock: socket.socket) -> bool:
+    try:
+        return sock.recv(1024) == b""
+    except ConnectionResetError:
+        return True
+
+
+def test_connection_cap_makes_room_by_closing_the_longest_waiting(
+    serve: Callable[..., WebServer], handlers: FakeHandlers
+) -> None:
     server = serve(max_connections=1)
     with socket.create_connection(("127.0.0.1", port_of(server)), timeout=5) as idle:
         idle.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
-        assert idle.recv(1024).startswith(b"HTTP/1.1 200 ")  # kept alive, holds the slot
-        with pytest.raises((ConnectionError, http.client.HTTPException)):
-            request(server, "/metrics")
+        answer = b""
+        while not answer.endswith(b"OK"):
+            answer += idle.recv(1024)
+        assert answer.startswith(b"HTTP/1.1 200 ")  # kept alive, holds the slot
+        assert request(server, "/metrics")[0] == 200, "the idle connection made room"
+        assert _closed_by_server(idle)
         assert server.stats.snapshot().rejected_connections == 1
-    deadline = time.monotonic() + 5
-    while time.monotonic() < deadline:  # the slot frees once the server sees the close
+    # A connection being answered is never closed to make room: the newcomer is refused.
+    handlers.gate = threading.Event()
+    handlers.entered = threading.Semaphore(0)  # forget the /metrics above
+    busy = threading.Thread(target=request, args=(server, "/metrics"))
+    busy.start()
+    try:
+        assert handlers.entered.acquire(timeout=5)
+        with pytest.raises((ConnectionError, http.client.HTTPException)):
+            request(server, "/-/healthy")
+        assert server.stats.snapshot().rejected_connections == 2
+    finally:
+        handlers.gate.set()
+        busy.join(5)
+    assert wait_until(lambda: request(server, "/metrics")[0] == 200), "the slot was released"
+
+
+def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
         try:
-            assert request(server, "/metrics")[0] == 200
-            break
+            if predicate():
+                return True
         except (ConnectionError, http.client.HTTPException):
-            time.sleep(0.05)
-    else:
-        pytest.fail("connection slot was not released")
+            pass
+        time.sleep(0.05)
+    return False
 
 
 def test_rate_limit(serve: Callable[..., WebServer]) -> None:

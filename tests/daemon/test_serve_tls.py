@@ -115,3 +115,59 @@ def test_tls_and_basic_auth_through_serve(shm_dir: str, tmp_path) -> None:
         daemon.wait(10)
         writer.kill()
         writer.wait()
+
+
+def _status(port: int, path: str, auth: str | None = None) -> int:
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    headers = {"Authorization": "Basic " + base64.b64encode(auth.encode()).decode()} if auth else {}
+    try:
+        conn.request("GET", path, headers=headers)
+        return conn.getresponse().status
+    finally:
+        conn.close()
+
+
+def test_sighup_reloads_the_web_config_and_keeps_serving(shm_dir: str, tmp_path) -> None:
+    """SIGHUP's default action kills a process (and Restart=on-failure does not bring it
+    back): the daemon must re-read --web.config.file and keep serving instead."""
+    web = tmp_path / "web.yml"
+    alice = bcrypt.hashpw(b"a-pass", bcrypt.gensalt(rounds=4)).decode()
+    bob = bcrypt.hashpw(b"b-pass", bcrypt.gensalt(rounds=4)).decode()
+    web.write_text(f"basic_auth_users:\n  alice: '{alice}'\n")
+    log = tmp_path / "daemon.log"
+    port = free_port()
+    with open(log, "w") as err:
+        daemon = subprocess.Popen(
+            [sys.executable, "-m", "kvsidecar", "serve", "--shm-dir", shm_dir,
+             "--web.listen-address", f"127.0.0.1:{port}", "--web.config.file", str(web)],
+            cwd=REPO, stderr=err,
+        )  # fmt: skip
+    try:
+
+        def healthy() -> bool:
+            try:
+                return _status(port, "/-/healthy") == 200
+            except OSError:
+                return False
+
+        assert wait_for(healthy, timeout=20)
+        assert _status(port, "/metrics", "alice:a-pass") == 200
+        daemon.send_signal(signal.SIGHUP)  # nothing changed: reload, keep serving
+        assert wait_for(lambda: "reloaded web config" in log.read_text(), timeout=10)
+        assert daemon.poll() is None, "SIGHUP killed the daemon"
+        assert _status(port, "/metrics", "alice:a-pass") == 200
+
+        web.write_text("basic_auth_users: {carol: not-a-hash}\n")  # broken: keep the old
+        daemon.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: "invalid, keeping the previous one" in log.read_text(), 10)
+        assert daemon.poll() is None and _status(port, "/metrics", "alice:a-pass") == 200
+
+        web.write_text(f"basic_auth_users:\n  bob: '{bob}'\n")
+        daemon.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: _status(port, "/metrics", "bob:b-pass") == 200, timeout=10)
+        assert _status(port, "/metrics", "alice:a-pass") == 401
+        assert daemon.poll() is None
+    finally:
+        daemon.send_signal(signal.SIGTERM)
+        daemon.wait(10)
+    assert daemon.returncode == 0

@@ -13,7 +13,7 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsidecar.daemon import webconfig
+from kvsidecar.daemon import web_auth
 from kvsidecar.daemon.webconfig import (
     BasicAuth,
     WebConfigError,
@@ -333,21 +333,23 @@ def test_peer_san_allowed() -> None:
 # --- basic auth --------------------------------------------------------------------------------
 
 
-def test_basic_auth_checks_and_caches_only_success(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_basic_auth_caches_outcomes(monkeypatch: pytest.MonkeyPatch) -> None:
     auth = BasicAuth({"alice": hashed("right")})
     calls = []
-    real = webconfig.bcrypt.checkpw
-    monkeypatch.setattr(webconfig.bcrypt, "checkpw", lambda pw, h: calls.append(pw) or real(pw, h))
+    real = web_auth.bcrypt.checkpw
+    monkeypatch.setattr(web_auth.bcrypt, "checkpw", lambda pw, h: calls.append(pw) or real(pw, h))
 
     assert not auth.check("alice", "wrong")
     assert not auth.check("alice", "wrong")
-    assert len(calls) == 2, "failures are never cached"
+    assert len(calls) == 1, "a repeated wrong password is answered from the cache"
     assert auth.check("alice", "right")
     assert auth.check("alice", "right")
-    assert len(calls) == 3, "success is cached"
+    assert len(calls) == 2, "success is cached"
     assert not auth.check("alice", "wrong"), "a cached success must not admit another password"
+    assert not auth.check("alice", "other")
+    assert len(calls) == 3, "a new password is checked"
     assert not auth.check("bob", "right")
-    assert len(calls) == 5, "unknown users still pay for a bcrypt check (no timing oracle)"
+    assert len(calls) == 4, "unknown users still pay for a bcrypt check (no timing oracle)"
 
 
 def test_basic_auth_cache_is_fast() -> None:

@@ -1,0 +1,216 @@
+"""Basic auth against bcrypt hashes, bounded in cost under a flood of wrong passwords.
+
+bcrypt is deliberately slow (cost 10: ~85 ms of a core here), so an unauthenticated
+client can buy a core's worth of work per request. The controls:
+
+* Outcomes are cached, keyed by (user, stored hash, sha256(password)): a repeated
+  password, right or wrong, costs a hash lookup. A changed hash misses the cache.
+* Identical checks in progress are shared (one bcrypt for 150 identical attempts).
+* At most `BCRYPT_WORKERS` bcrypt checks run at once (CPU stays bounded: the engine
+  shares the host), handed out by `AuthGate`: connections that already failed wait
+  until nobody else does, and round-robin per client address within each class.
+* Unknown users are checked against a dummy hash whose cost is that of a configured
+  user, chosen by a keyed hash of the name: a user is indistinguishable from a
+  non-user by timing even when users have different costs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import binascii
+import collections
+import concurrent.futures
+import hashlib
+import hmac
+import os
+import threading
+from collections.abc import Callable, Mapping
+
+import bcrypt
+
+__all__ = ["BCRYPT_WORKERS", "AuthGate", "BasicAuth", "hash_cost"]
+
+_Round = collections.OrderedDict[str, collections.deque]
+
+BCRYPT_WORKERS = 1  # bcrypt checks at once, for the whole daemon
+MAX_PENDING = 512  # queued checks beyond this are refused at once (429)
+
+
+def hash_cost(hashed: str | bytes) -> int:
+    """The cost field of a ``$2b$CC$...`` hash."""
+    text = hashed.decode() if isinstance(hashed, bytes) else hashed
+    return int(text.split("$")[2])
+
+
+class BasicAuth:
+    """Verifies basic-auth credentials; `lookup` is cheap, `verify` runs bcrypt."""
+
+    def __init__(self, users: Mapping[str, str], cache_size: int = 256) -> None:
+        self.users = dict(users)
+        self._cache: collections.OrderedDict[tuple[str, str, bytes], bool] = (
+            collections.OrderedDict()
+        )
+        self._cache_size = cache_size
+        self._failures_size = max(cache_size, 4096)  # failures: bounded, evicted oldest first
+        self._failures: collections.OrderedDict[tuple[str, str, bytes], bool] = (
+            collections.OrderedDict()
+        )
+        self._lock = threading.Lock()
+        self._inflight: dict[tuple[str, str, bytes], concurrent.futures.Future[bool]] = {}
+        self._sem = threading.BoundedSemaphore(BCRYPT_WORKERS)
+        self._key = os.urandom(16)  # per process: the name -> dummy cost map can't be precomputed
+        # One dummy hash per configured user (same cost), salt random, digest never matching.
+        self._dummies = [
+            bcrypt.gensalt(hash_cost(h), prefix=b"2b") + b"." * 31
+            for h in sorted(self.users.values())
+        ] or [bcrypt.gensalt(10, prefix=b"2b") + b"." * 31]
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.users)
+
+    def _hash_for(self, user: str) -> bytes:
+        hashed = self.users.get(user)
+        if hashed is not None:
+            return hashed.encode()
+        digest = hmac.new(self._key, user.encode("utf-8", "surrogatepass"), "sha256").digest()
+        return self._dummies[int.from_bytes(digest[:8], "big") % len(self._dummies)]
+
+    def _cache_key(self, user: str, password: str) -> tuple[str, str, bytes]:
+        # bcrypt only looks at 72 bytes; Go's bcrypt and htpasswd truncate silently too.
+        pw = password.encode("utf-8", "surrogatepass")[:72]
+        return (user, self.users.get(user, ""), hashlib.sha256(pw).digest())
+
+    def lookup(self, user: str, password: str) -> bool | None:
+        """The cached outcome, or None when only bcrypt can tell."""
+        key = self._cache_key(user, password)
+        with self._lock:
+            if key in self._cache:
+                return True
+            if key in self._failures:
+                self._failures.move_to_end(key)
+                return False
+        return None
+
+    def verify(self, user: str, password: str) -> bool:
+        """Run bcrypt (or join an identical check in progress) and cache the outcome."""
+        key = self._cache_key(user, password)
+        with self._lock:
+            if key in self._cache or key in self._failures:
+                return key in self._cache
+            shared = self._inflight.get(key)
+            if shared is None:
+                mine: concurrent.futures.Future[bool] = concurrent.futures.Future()
+                self._inflight[key] = mine
+        if shared is not None:
+            return shared.result()
+        ok = False
+        try:
+            with self._sem:
+                ok = bcrypt.checkpw(
+                    password.encode("utf-8", "surrogatepass")[:72], self._hash_for(user)
+                )
+            ok = ok and user in self.users
+        except ValueError:
+            ok = False
+        finally:
+            with self._lock:
+                table, size = (self._cache, self._cache_size) if ok else (
+                    self._failures, self._failures_size)  # fmt: skip
+                table[key] = True
+                while len(table) > size:
+                    table.popitem(last=False)
+                del self._inflight[key]
+            mine.set_result(ok)
+        return ok
+
+    def check(self, user: str, password: str) -> bool:
+        cached = self.lookup(user, password)
+        return cached if cached is not None else self.verify(user, password)
+
+    @staticmethod
+    def parse_header(authorization: str | None) -> tuple[str, str] | None:
+        """(user, password) from an ``Authorization: Basic ...`` value, or None."""
+        if not authorization:
+            return None
+        scheme, _, token = authorization.strip().partition(" ")
+        if scheme.lower() != "basic":
+            return None
+        try:
+            decoded = base64.b64decode(token.strip(), validate=True).decode("utf-8")
+        except (binascii.Error, UnicodeDecodeError, ValueError):
+            return None
+        user, sep, password = decoded.partition(":")
+        return (user, password) if sep else None
+
+    def check_header(self, authorization: str | None) -> bool:
+        """Check an ``Authorization: Basic ...`` header value."""
+        creds = self.parse_header(authorization)
+        return creds is not None and self.check(*creds)
+
+
+class AuthGate:
+    """Runs blocking checks on `BCRYPT_WORKERS` threads, fairly.
+
+    Used from one event loop only (no locks). Checks from connections that already sent
+    wrong credentials ("suspect") wait until no other check is waiting, so a flood over
+    keep-alive connections cannot delay a scraper's first login by more than the check
+    in progress. Within each class every client key (address) has its own FIFO and a
+    free worker takes the next key in turn, so one address cannot starve another.
+    """
+
+    def __init__(self, workers: int = BCRYPT_WORKERS, max_pending: int = MAX_PENDING) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(workers, "kvsidecar-auth")
+        self._workers = workers
+        self._busy = 0
+        self._pending = 0
+        self._max_pending = max_pending
+        # [clean, suspect]: key -> FIFO of turns; the dict order is the round.
+        self._rounds: tuple[_Round, _Round] = (collections.OrderedDict(), collections.OrderedDict())
+
+    async def run(self, key: str, fn: Callable[[], bool], suspect: bool = False) -> bool | None:
+        """fn's result, or None when too many checks are already waiting."""
+        if self._pending >= self._max_pending:
+            return None
+        loop = asyncio.get_running_loop()
+        turn: asyncio.Future[None] = loop.create_future()
+        table = self._rounds[suspect]
+        table.setdefault(key, collections.deque()).append(turn)
+        self._pending += 1
+        self._dispatch()
+        try:
+            await turn
+        except BaseException:
+            if not turn.done() or turn.cancelled():
+                self._pending -= 1
+                queue = table.get(key)
+                if queue is not None and turn in queue:
+                    queue.remove(turn)
+                    if not queue:
+                        del table[key]
+            else:
+                self._release()  # granted just as we were cancelled
+            raise
+        try:
+            return await loop.run_in_executor(self._pool, fn)
+        finally:
+            self._release()
+
+    def _release(self) -> None:
+        self._busy -= 1
+        self._dispatch()
+
+    def _dispatch(self) -> None:
+        while self._busy < self._workers and (table := self._rounds[0] or self._rounds[1]):
+            key, queue = next(iter(table.items()))
+            turn = queue.popleft()
+            del table[key]
+            if queue:
+                table[key] = queue  # to the back of the round
+            self._pending -= 1
+            self._busy += 1
+            turn.set_result(None)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
