@@ -3,6 +3,7 @@ conventions, the port, small fixes, and no raw control characters from engine st
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import logging
@@ -14,6 +15,8 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
+from collections.abc import Iterator
 from pathlib import Path
 
 import logfmt
@@ -24,6 +27,7 @@ from kvsidecar.cli import main
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.conftest import REPO
+from tests.procs import wait_for
 from tests.protocol_helpers import sample_snapshot
 
 KVSIDECAR = str(Path(sys.executable).parent / "kvsidecar")
@@ -41,13 +45,31 @@ def cli(*args: str, timeout: float = 60, **env: str) -> subprocess.CompletedProc
     )
 
 
-def foreign_segment(shm_dir: str, name: str = "kvsidecar.eng.dp0.tp0.pp0") -> SegmentWriter:
+@contextlib.contextmanager
+def foreign_segment(
+    shm_dir: str, name: str = "kvsidecar.eng.dp0.tp0.pp0"
+) -> Iterator[SegmentWriter]:
+    """A live segment owned by another uid, kept fresh while the test runs commands (each
+    can take seconds on a loaded host: a segment published once would go stale)."""
     if os.getuid() != 0:
         pytest.skip("needs root to give a segment another owner")
     w = SegmentWriter(name, shm_dir=shm_dir)
     w.publish(sample_snapshot(5))
     os.chown(w.path, OTHER_UID, -1)
-    return w
+    stop = threading.Event()
+
+    def beat() -> None:
+        while not stop.wait(0.5):
+            w.heartbeat()
+
+    t = threading.Thread(target=beat, daemon=True)
+    t.start()
+    try:
+        yield w
+    finally:
+        stop.set()
+        t.join()
+        w.close()
 
 
 # --- item 1: trust options on every segment-reading command --------------------------------
@@ -55,8 +77,7 @@ def foreign_segment(shm_dir: str, name: str = "kvsidecar.eng.dp0.tp0.pp0") -> Se
 
 @pytest.mark.parametrize("command", ["dump", "ls"])
 def test_trust_options_on_every_reading_command(shm_dir: str, command: str) -> None:
-    w = foreign_segment(shm_dir)
-    try:
+    with foreign_segment(shm_dir):
         refused = cli(command, "--shm-dir", shm_dir)
         assert refused.returncode == 1 and f"uid {OTHER_UID}" in refused.stderr
         # Every option an error message names exists on the command that printed it.
@@ -68,8 +89,6 @@ def test_trust_options_on_every_reading_command(shm_dir: str, command: str) -> N
         for r in (by_flag, by_env, any_uid):
             assert r.returncode == 0, r.stderr
             assert "kvsidecar.eng.dp0.tp0.pp0" in r.stdout and "refused" not in r.stderr
-    finally:
-        w.close()
 
 
 def test_serve_and_dump_share_the_trust_options() -> None:
@@ -159,6 +178,14 @@ def test_port_in_use_names_the_option(shm_dir: str) -> None:
 # --- item 5: exporter conventions ------------------------------------------------------------
 
 
+def _healthy(port: int) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://127.0.0.1:{port}/-/healthy", timeout=2) as r:
+            return r.status == 200
+    except OSError:
+        return False
+
+
 def _serve(shm_dir: str, *args: str) -> tuple[str, str]:
     """Run serve for a moment; (stdout, stderr)."""
     with socket.socket() as s:
@@ -172,7 +199,10 @@ def _serve(shm_dir: str, *args: str) -> tuple[str, str]:
         text=True,
         env=_env(),
     )  # fmt: skip
-    time.sleep(1.5)
+    # Stop it only once it serves (its SIGTERM handler is in place by then): a fixed sleep
+    # raced the start-up on a loaded host and killed it mid-import.
+    wait_for(lambda: _healthy(port) or p.poll() is not None, timeout=60)
+    time.sleep(0.5)  # let a first poll log
     p.terminate()
     out, err = p.communicate(timeout=20)
     assert p.returncode == 0, err
