@@ -8,7 +8,11 @@ from shared memory. Every kvcached field must be equal to ours, or be one of the
 differences in ``EXPLAINED``; every kvcached pool field must be listed in one of the two.
 Prints one JSON line of counts; exits 1 on any mismatch.
 
-    python check_real.py SHM_DIR [--cases N] [--seed S]
+    python check_real.py SHM_DIR [--cases N] [--seed S] [--broken-cases M] [--own-tests]
+
+``--broken-cases M`` reruns the check over an adapter that drops effective_free_pages
+(reported under "broken": it must mismatch); ``--own-tests`` then runs kvcached's own
+tests/test_observability.py on the same source (its pytest rc as "own_tests_rc").
 """
 
 from __future__ import annotations
@@ -164,15 +168,8 @@ def expected_different(k: dict[str, Any], name: str) -> Any:
     raise KeyError(name)
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("shm_dir")
-    ap.add_argument("--cases", type=int, default=500)
-    ap.add_argument("--seed", type=int, default=385)
-    args = ap.parse_args()
-    if os.environ.get("KVSIDECAR_BREAK_ADAPTER"):  # the test proves this check can fail
-        adapter._OPTIONAL_INT_FIELDS = adapter._OPTIONAL_INT_FIELDS[:-1]
-
+def check(cases: int, seed: int, shm_dir: str, name: str) -> dict[str, Any]:
+    """`cases` random pools through kvcached's builder, our adapter, the agent and back."""
     caps = get_capabilities()
     problems: list[str] = []
     fields = caps["pool_snapshot_fields"]
@@ -181,19 +178,17 @@ def main() -> int:
     if caps["features"].get("operation_counters") is not False:
         problems.append("kvcached 0.1.6 should report operation_counters: False")
 
-    rng = random.Random(args.seed)
-    agent = KVSidecarAgent(
-        "kvcached-check", shm_dir=args.shm_dir, segment_name="kvcached-check", device="cpu"
-    )
+    rng = random.Random(seed)
+    agent = KVSidecarAgent("kvcached-check", shm_dir=shm_dir, segment_name=name, device="cpu")
     current: dict[str, Any] = {}
     agent.register_pool(
         adapter.KvcachedDictAdapter(lambda: current, capabilities=caps, pool_name="block_pool")
     )
-    reader = SegmentReader("kvcached-check", shm_dir=args.shm_dir)
+    reader = SegmentReader(name, shm_dir=shm_dir)
     if reader.attach() is not None:
         problems.append("cannot attach to the agent's segment")
     checks = mismatches = 0
-    for case in range(args.cases):
+    for case in range(cases):
         manager = Manager(rng)
         integration = rng.choice(["vllm", "sglang", None])
         k = build_kv_cache_pool_snapshot(manager, integration=integration).to_dict()
@@ -255,23 +250,50 @@ def main() -> int:
             problems.append(f"case {case}: page_fields differ")
     agent.close()
     reader.close()
-    print(
-        json.dumps(
-            {
-                "kvcached_schema": SCHEMA_VERSION,
-                "page_size_default": PAGE_SIZE,
-                "cases": args.cases,
-                "checks": checks,
-                "mismatches": mismatches,
-                "kvcached_fields": len(fields),
-                "equal": len(EQUAL),
-                "explained": sorted(EXPLAINED),
-                "operation_counters": caps["features"].get("operation_counters"),
-                "problems": problems,
-            }
-        )
-    )
-    return 1 if problems or mismatches else 0
+    return {
+        "kvcached_schema": SCHEMA_VERSION,
+        "page_size_default": PAGE_SIZE,
+        "cases": cases,
+        "checks": checks,
+        "mismatches": mismatches,
+        "kvcached_fields": len(fields),
+        "equal": len(EQUAL),
+        "explained": sorted(EXPLAINED),
+        "operation_counters": caps["features"].get("operation_counters"),
+        "problems": problems,
+    }
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("shm_dir")
+    ap.add_argument("--cases", type=int, default=500)
+    ap.add_argument("--seed", type=int, default=385)
+    ap.add_argument("--broken-cases", type=int, default=0)
+    ap.add_argument("--own-tests", action="store_true")
+    args = ap.parse_args()
+    out = check(args.cases, args.seed, args.shm_dir, "kvcached-check")
+    if args.broken_cases:  # the same check over an adapter that drops a field must fail
+        kept = adapter._OPTIONAL_INT_FIELDS
+        adapter._OPTIONAL_INT_FIELDS = tuple(f for f in kept if f != "effective_free_pages")
+        try:
+            out["broken"] = check(args.broken_cases, args.seed, args.shm_dir, "kvcached-broken")
+        finally:
+            adapter._OPTIONAL_INT_FIELDS = kept
+    if args.own_tests:  # kvcached's own tests/test_observability.py on this very source
+        import kvcached
+        import pytest
+
+        src = os.path.dirname(kvcached.__path__[0])
+        with open(os.path.join(src, "PKG-INFO")) as f:
+            out["kvcached_version"] = next(
+                (ln.split()[1] for ln in f if ln.startswith("Version:")), None
+            )
+        test = os.path.join(src, "tests", "test_observability.py")
+        out["own_tests_rc"] = int(pytest.main(["-q", "-p", "no:cacheprovider", test]))
+    print(json.dumps(out))
+    bad = out["problems"] or out["mismatches"] or out.get("own_tests_rc", 0)
+    return 1 if bad else 0
 
 
 if __name__ == "__main__":
