@@ -241,10 +241,26 @@ def run(page: int, size: int, n_ops: int, seed: int, shm_dir: str, broken: bool)
     reader = SegmentReader(name, shm_dir=shm_dir)
     agent.step()
     assert reader.attach() is None
+    # Geometry against SGLang's real buffers: the reservation is every byte it preallocated.
+    first = reader.read()
+    assert isinstance(first, Reading)
+    g = first.snapshot.pools[0]
+    storage = sum(t.nbytes for t in sim.kv.k_buffer) + sum(t.nbytes for t in sim.kv.v_buffer)
+    geometry = {
+        "virtual_total_bytes": (g.virtual_total_bytes, storage),
+        "mapped_bytes": (g.mapped_bytes, storage),
+        "num_layers": (g.num_layers, sim.kv.layer_num),
+        "block_size_bytes": (
+            g.block_size_bytes,
+            sim.kv.k_buffer[0][0].nbytes * page,
+        ),
+        "pool_name": (g.pool_name, "mha"),
+    }
+    problems_geo = [f"{k}: ours {a}, SGLang {b}" for k, (a, b) in geometry.items() if a != b]
     names, weights = list(OPS), list(OPS.values())
     counts = dict.fromkeys(OPS, 0)
     checks = mismatches = sim_errors = 0
-    problems: list[str] = []
+    problems: list[str] = list(problems_geo)
     max_used = max_evictable = max_protected = 0
     t0 = time.perf_counter()
     for i in range(n_ops):
