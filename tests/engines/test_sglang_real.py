@@ -42,7 +42,7 @@ def test_published_values_equal_sglang_counters_after_every_operation(oracle):
     out = oracle
     for r in out["runs"]:
         print(
-            f"\nsglang {out['sglang']} page_size={r['page_size']}: {r['ops']} operations "
+            f"\nsglang {out['sglang']} {r['pool']} page_size={r['page_size']}: {r['ops']} ops "
             f"({', '.join(f'{k} {v}' for k, v in r['by_op'].items())}), {r['checks']} checks, "
             f"{r['mismatches']} mismatches; peak used/evictable/protected "
             f"{r['max_used']}/{r['max_evictable']}/{r['max_protected']} of "
@@ -58,11 +58,15 @@ def test_published_values_equal_sglang_counters_after_every_operation(oracle):
         assert r["max_used"] == r["max_total_num_tokens"]
         assert r["max_evictable"] > 0 and r["max_protected"] > 0 and r["failed_allocs"] > 0
         assert all(n > 0 for n in r["by_op"].values())
-    assert {r["page_size"] for r in out["runs"]} == {1, 4}
+    assert [(r["pool"], r["page_size"]) for r in out["runs"]] == [
+        ("mha", 1),
+        ("mha", 4),
+        ("mla", 2),
+    ]
 
 
 def test_the_oracle_catches_a_broken_adapter(oracle):
     # Evictable slots dropped from available_blocks: the same comparison must fail.
     broken = oracle["broken"]
-    assert len(broken) == 2 and all(r["mismatches"] > 0 for r in broken)
+    assert len(broken) == 3 and all(r["mismatches"] > 0 for r in broken)
     assert any("available_size" in p for r in broken for p in r["problems"])

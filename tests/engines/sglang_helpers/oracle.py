@@ -41,7 +41,11 @@ from sglang.srt.mem_cache.base_prefix_cache import (
     MatchPrefixParams,
 )
 from sglang.srt.mem_cache.cache_init_params import CacheInitParams
-from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from sglang.srt.mem_cache.memory_pool import (
+    MHATokenToKVPool,
+    MLATokenToKVPool,
+    ReqToTokenPool,
+)
 from sglang.srt.mem_cache.radix_cache import RadixCache, RadixKey
 
 from kvsidecar.agent import KVSidecarAgent
@@ -58,19 +62,31 @@ def key(tokens: list[int]) -> RadixKey:
 class Sim:
     """A miniature SGLang scheduler over the real memory classes."""
 
-    def __init__(self, page: int, size: int, rng: random.Random) -> None:
-        self.page, self.size, self.rng = page, size, rng
-        self.kv = MHATokenToKVPool(
-            size=size,
-            page_size=page,
-            dtype=torch.float16,
-            head_num=2,
-            head_dim=4,
-            layer_num=3,
-            device="cpu",
-            enable_memory_saver=False,
-            enable_alt_stream=False,
-        )
+    def __init__(self, page: int, size: int, rng: random.Random, mla: bool = False) -> None:
+        self.page, self.size, self.rng, self.mla = page, size, rng, mla
+        if mla:  # one combined buffer per layer (DeepSeek-style latent KV)
+            self.kv: Any = MLATokenToKVPool(
+                size=size,
+                page_size=page,
+                dtype=torch.bfloat16,
+                kv_lora_rank=8,
+                qk_rope_head_dim=4,
+                layer_num=2,
+                device="cpu",
+                enable_memory_saver=False,
+            )
+        else:
+            self.kv = MHATokenToKVPool(
+                size=size,
+                page_size=page,
+                dtype=torch.float16,
+                head_num=2,
+                head_dim=4,
+                layer_num=3,
+                device="cpu",
+                enable_memory_saver=False,
+                enable_alt_stream=False,
+            )
         if page == 1:
             self.alloc = TokenToKVPoolAllocator(size, torch.float16, "cpu", self.kv, False)
         else:
@@ -222,9 +238,11 @@ OPS = {
 }
 
 
-def run(page: int, size: int, n_ops: int, seed: int, shm_dir: str, broken: bool) -> dict:
+def run(
+    page: int, size: int, n_ops: int, seed: int, shm_dir: str, broken: bool, mla: bool = False
+) -> dict:
     rng = random.Random(seed)
-    sim = Sim(page, size, rng)
+    sim = Sim(page, size, rng, mla)
     source = SGLangPoolSource(sim.alloc, sim.tree, max_total_num_tokens=size)
     if broken:  # a plausible bug: evictable slots left out of "available"
         real = source.snapshot
@@ -235,7 +253,7 @@ def run(page: int, size: int, n_ops: int, seed: int, shm_dir: str, broken: bool)
             return s
 
         source.snapshot = snapshot  # type: ignore[method-assign]
-    name = f"sglang-oracle-p{page}" + ("-broken" if broken else "")
+    name = f"sglang-oracle-p{page}" + ("-mla" if mla else "") + ("-broken" if broken else "")
     agent = KVSidecarAgent("sglang", "oracle", shm_dir=shm_dir, segment_name=name, device="cpu")
     agent.register_pool(source)
     reader = SegmentReader(name, shm_dir=shm_dir)
@@ -245,16 +263,15 @@ def run(page: int, size: int, n_ops: int, seed: int, shm_dir: str, broken: bool)
     first = reader.read()
     assert isinstance(first, Reading)
     g = first.snapshot.pools[0]
-    storage = sum(t.nbytes for t in sim.kv.k_buffer) + sum(t.nbytes for t in sim.kv.v_buffer)
+    buffers = sim.kv.kv_buffer if mla else [*sim.kv.k_buffer, *sim.kv.v_buffer]
+    storage = sum(t.nbytes for t in buffers)
     geometry = {
         "virtual_total_bytes": (g.virtual_total_bytes, storage),
         "mapped_bytes": (g.mapped_bytes, storage),
         "num_layers": (g.num_layers, sim.kv.layer_num),
-        "block_size_bytes": (
-            g.block_size_bytes,
-            sim.kv.k_buffer[0][0].nbytes * page,
-        ),
-        "pool_name": (g.pool_name, "mha"),
+        "num_kv_buffers": (g.num_kv_buffers, 1 if mla else 2),
+        "block_size_bytes": (g.block_size_bytes, buffers[0][0].nbytes * page),
+        "pool_name": (g.pool_name, "mla" if mla else "mha"),
     }
     problems_geo = [f"{k}: ours {a}, SGLang {b}" for k, (a, b) in geometry.items() if a != b]
     names, weights = list(OPS), list(OPS.values())
@@ -314,6 +331,7 @@ def run(page: int, size: int, n_ops: int, seed: int, shm_dir: str, broken: bool)
     reader.close()
     return {
         "page_size": page,
+        "pool": g.pool_name,
         "max_total_num_tokens": size,
         "ops": sum(counts.values()),
         "by_op": counts,
@@ -336,10 +354,14 @@ def main() -> int:
     ap.add_argument("--seed", type=int, default=523)
     ap.add_argument("--broken-ops", type=int, default=0)
     args = ap.parse_args()
-    configs = [(1, 160, args.seed), (4, 256, args.seed + 1)]
-    results = [run(p, n, args.ops, s, args.shm_dir, False) for p, n, s in configs]
+    # (page size, slots, seed, MLA): token allocator, paged allocator, paged MLA pool.
+    configs = [(1, 160, args.seed, False), (4, 256, args.seed + 1, False)]
+    configs.append((2, 128, args.seed + 2, True))
+    results = [run(p, n, args.ops, s, args.shm_dir, False, m) for p, n, s, m in configs]
     broken = [
-        run(p, n, args.broken_ops, s, args.shm_dir, True) for p, n, s in configs if args.broken_ops
+        run(p, n, args.broken_ops, s, args.shm_dir, True, m)
+        for p, n, s, m in configs
+        if args.broken_ops
     ]
     import sglang
 
