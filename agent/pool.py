@@ -40,8 +40,11 @@ Counter definitions (``pool.stats``), all in blocks unless named ``*_bytes``:
   miss, which is counted. ``prefix_hits_total``: of which found.
 * ``block_size_bytes``: block_size x kv_heads x head_dim x itemsize (one layer, one buffer).
   ``*_bytes`` = blocks x block_size_bytes x num_layers x num_kv_buffers.
-* ``virtual_per_layer_bytes`` = total_blocks x block_size_bytes x num_kv_buffers;
-  ``virtual_total_bytes`` = that x num_layers.
+* ``virtual_blocks``: the storage rows, null block included (this pool's reservation,
+  kvcached's meaning: it grows with `resize` and is never given back by a shrink, so it
+  differs from ``total_blocks``, the current usable capacity).
+  ``virtual_per_layer_bytes`` = virtual_blocks x block_size_bytes x num_kv_buffers;
+  ``virtual_total_bytes`` = that x num_layers (= ``mapped_bytes``: every row is backed).
 * ``mapped_bytes``: storage actually allocated, null block included:
   rows x block_size_bytes x num_layers x num_kv_buffers. Storage grows with `resize` and is
   never given back by a shrink (like kvcached's reserved pages until ``trim()``).
@@ -257,7 +260,9 @@ class KVBlockPool:
     def _publish_geometry(self) -> None:
         s = self.stats
         s.total_blocks = self._total
-        s.virtual_per_layer_bytes = self._total * self.block_size_bytes * self.num_kv_buffers
+        # The reservation is the storage (kvcached's meaning), not the current capacity.
+        s.virtual_blocks = self._rows
+        s.virtual_per_layer_bytes = self._rows * self.block_size_bytes * self.num_kv_buffers
         s.virtual_total_bytes = s.virtual_per_layer_bytes * self.num_layers
         s.mapped_bytes = self._rows * self._unit_bytes
         s.in_shrink = self._in_shrink

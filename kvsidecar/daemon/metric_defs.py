@@ -115,9 +115,10 @@ POOL: tuple[MetricDef, ...] = (
         "kvsidecar_kv_pool_total_blocks",
         GAUGE,
         _B,
-        "Current capacity of the pool in blocks (excludes the null block).",
+        "Current capacity of the pool in blocks (excludes the null block; moves with resize).",
         "total_blocks",
-        anchor="kvcached total_blocks; vllm num_gpu_blocks",
+        anchor="vllm num_gpu_blocks - 1; sglang max_total_num_tokens / page_size; "
+        "NOT kvcached total_blocks (its initial capacity: see virtual_blocks)",
     ),
     MetricDef(
         "kvsidecar_kv_pool_allocated_blocks",
@@ -185,7 +186,8 @@ POOL: tuple[MetricDef, ...] = (
         "kvsidecar_kv_pool_virtual_per_layer_bytes",
         GAUGE,
         "bytes",
-        "total_blocks x block_size_bytes x kv_buffers (one layer).",
+        "Reserved storage of one layer, all KV buffers: virtual_blocks x block_size_bytes "
+        "x kv_buffers (kvcached: the fixed virtual reservation; never below mapped).",
         "virtual_per_layer_bytes",
         anchor="kvcached virtual_per_layer_bytes",
     ),
@@ -411,6 +413,26 @@ POOL: tuple[MetricDef, ...] = (
         "available_physical_pages + reserved_pages).",
         "effective_free_pages",
         anchor="kvcached effective_free_pages",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_virtual_blocks",
+        GAUGE,
+        _B,
+        "Blocks of the reservation behind virtual_per_layer_bytes, null block included "
+        "(kvcached: its initial capacity; our pool: storage rows).",
+        "virtual_blocks",
+        anchor="kvcached total_blocks",
+        overlaps="not the current capacity: that is total_blocks",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_protected_blocks",
+        GAUGE,
+        _B,
+        "Allocated blocks that are prefix-cache entries pinned by running requests "
+        "(SGLang: locked radix-tree nodes; absent if unsupported).",
+        "protected_blocks",
+        anchor="sglang RadixCache.protected_size() / page_size",
+        overlaps="subset of allocated_blocks",
     ),
 )
 

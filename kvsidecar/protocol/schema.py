@@ -30,7 +30,8 @@ from typing import Any
 import msgspec
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 1  # 1.1: token-unit prefix counters, oldest deferral, kvcached pages
+SCHEMA_MINOR = 2  # 1.1: token-unit prefix counters, oldest deferral, kvcached pages;
+# 1.2: virtual_blocks, protected_blocks (virtual_* = the reservation, as in kvcached)
 SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 ROLES = ("prefill", "decode", "both")
@@ -90,7 +91,10 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=Fals
     allocated_bytes: int = 0
     reserved_bytes: int = 0
     available_bytes: int = 0
-    virtual_per_layer_bytes: int = 0  # total_blocks x block_size_bytes x num_kv_buffers
+    # Reserved storage of one layer, all buffers (kvcached: the fixed virtual reservation;
+    # since v1.2 also for our pool, whose reservation is its storage, null block included):
+    # virtual_blocks x block_size_bytes x num_kv_buffers. mapped_bytes never exceeds it.
+    virtual_per_layer_bytes: int = 0
     virtual_total_bytes: int = 0  # virtual_per_layer_bytes x num_layers
     mapped_bytes: int = 0  # physically backed bytes of the pool
     in_shrink: bool = False
@@ -125,6 +129,14 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=Fals
     page_size_bytes: int | None = None
     available_physical_pages: int | None = None
     effective_free_pages: int | None = None
+    # -- v1.2 ------------------------------------------------------------------
+    # Blocks the reservation behind virtual_per_layer_bytes holds, a null block included
+    # (kvcached's own total_blocks, its initial num_blocks; resize() does not change it).
+    # total_blocks stays the *current* usable capacity for every source.
+    virtual_blocks: int | None = None
+    # Allocated blocks that are also prefix-cache entries pinned by running requests
+    # (SGLang protected_size(): locked radix nodes); a subset of allocated_blocks.
+    protected_blocks: int | None = None
 
 
 class Snapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):

@@ -237,7 +237,9 @@ def test_resize_grow_keeps_data_and_shrink_completes_on_free():
     s = pool.snapshot()
     assert s.total_blocks == 10 and pool.kv_cache(0).shape[1] == 11
     assert s.mapped_bytes == mapped * 11 // 5
-    assert s.virtual_per_layer_bytes == 10 * s.block_size_bytes * 2
+    # The reservation (storage rows, null block included), not the capacity (v1.2).
+    assert s.virtual_blocks == 11
+    assert s.virtual_per_layer_bytes == 11 * s.block_size_bytes * 2
     assert torch.equal(pool.read_kv(0, pool.block_table("a"), 3 * BS)[1], -k)
 
     pool.allocate_prompt("b", list(range(900, 900 + 2 * BS)))

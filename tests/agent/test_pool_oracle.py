@@ -462,9 +462,11 @@ class PoolMachine(RuleBasedStateMachine):
             allocated_bytes=allocated * unit,
             reserved_bytes=reserved * unit,
             available_bytes=available * unit,
-            virtual_per_layer_bytes=m.total * self.bsb * self.buffers,
-            virtual_total_bytes=m.total * self.bsb * self.buffers * self.layers,
+            # The reservation is the storage rows (null block included), not the capacity.
+            virtual_per_layer_bytes=m.rows * self.bsb * self.buffers,
+            virtual_total_bytes=m.rows * self.bsb * self.buffers * self.layers,
             mapped_bytes=m.rows * unit,
+            virtual_blocks=m.rows,
             in_shrink=m.in_shrink,
             shrink_target_blocks=m.target if m.in_shrink else None,
             deferred_free_requests=len(self._deferred()),

@@ -3,7 +3,13 @@
 from __future__ import annotations
 
 from kvsidecar.agent.adapters import PoolSource
-from kvsidecar.agent.engines.kvcached import KvcachedDictAdapter, from_kvcached_dict
+from kvsidecar.agent.engines.kvcached import (
+    PAGE_FIELDS,
+    KvcachedDictAdapter,
+    apply_page_fields,
+    from_kvcached_dict,
+    page_fields,
+)
 from kvsidecar.agent.pool import KVBlockPool
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 
@@ -67,12 +73,10 @@ def test_kvcached_dict_maps_every_shared_field():
         "num_layers",
         "num_kv_buffers",
         "block_size_bytes",
-        "total_blocks",
+        "page_size_bytes",
         "available_blocks",
-        "allocated_blocks",
         "reserved_blocks",
         "available_bytes",
-        "allocated_bytes",
         "reserved_bytes",
         "virtual_per_layer_bytes",
         "virtual_total_bytes",
@@ -81,6 +85,8 @@ def test_kvcached_dict_maps_every_shared_field():
         "free_pages",
         "inuse_pages",
         "reserved_pages",
+        "available_physical_pages",
+        "effective_free_pages",
         "in_shrink",
         "integration",
         "null_block_reserved",
@@ -88,6 +94,11 @@ def test_kvcached_dict_maps_every_shared_field():
         assert getattr(s, name) == d[name], name
     assert s.resize_target_bytes is None  # -1 means no target
     assert s.shrink_target_blocks is None
+    # kvcached's total_blocks is its initial reservation, null block included.
+    assert s.virtual_blocks == 1000
+    # Ours: current capacity and allocated blocks without the null block.
+    assert s.total_blocks == 999 and s.allocated_blocks == 299
+    assert s.allocated_bytes == 299 * d["block_size_bytes"] * 32 * 2
     # kvcached has no such counters: schema defaults.
     assert s.cached_blocks is None and s.allocs_total is None and s.block_size_tokens == 0
     assert s.deferred_free_blocks is None and s.tokens_used is None  # unsupported, not 0
@@ -98,8 +109,37 @@ def test_kvcached_shrink_and_resize_target():
         kvcached_dict(in_shrink=True, shrink_target_blocks=250, resize_target_bytes=512 * MIB)
     )
     assert s.in_shrink is True
-    assert s.shrink_target_blocks == 250
+    assert s.shrink_target_blocks == 249  # kvcached's target counts the null block
     assert s.resize_target_bytes == 512 * MIB
+
+
+def test_kvcached_capacity_follows_a_resize_of_its_pages():
+    # PageAllocator.resize shrank the pages to 10; kvcached's total_blocks stays 1000.
+    s = from_kvcached_dict(kvcached_dict(total_pages=10, free_pages=2, inuse_pages=8))
+    assert s.virtual_blocks == 1000
+    assert s.total_blocks == 10 * 64 - 1
+    no_null = from_kvcached_dict(kvcached_dict(null_block_reserved=False))
+    assert no_null.total_blocks == 1000 and no_null.allocated_blocks == 300
+
+
+def test_kvcached_counters_follow_its_capability_record():
+    d = kvcached_dict(allocs_total=12, frees_total=5)
+    caps = {"features": {"operation_counters": False}, "operation_counter_names": []}
+    assert from_kvcached_dict(d, capabilities=caps).allocs_total is None
+    assert from_kvcached_dict(d).allocs_total is None  # no record: unsupported
+    caps = {"features": {"operation_counters": True}, "operation_counter_names": ["allocs_total"]}
+    s = from_kvcached_dict(d, capabilities=caps)
+    assert s.allocs_total == 12 and s.frees_total is None  # named ones only
+
+
+def test_page_fields_for_a_plugin_record():
+    fields = page_fields(kvcached_dict())
+    assert set(fields) == set(PAGE_FIELDS)
+    rec = KVCachePoolSnapshot(total_blocks=5)
+    apply_page_fields(rec, fields)
+    assert rec.page_size_bytes == 2 * MIB and rec.effective_free_pages == 44
+    assert rec.virtual_blocks == 1000 and rec.resize_target_bytes is None
+    assert rec.total_blocks == 5  # block fields stay the plugin's
 
 
 def test_kvcached_missing_unknown_and_odd_values():

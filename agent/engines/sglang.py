@@ -1,0 +1,132 @@
+"""SGLang: a `PoolSource` over SGLang's token-slot allocator and radix (prefix) cache.
+
+SGLang (checked against 0.5.23, ``sglang/srt/mem_cache/``) keeps KV in token slots:
+``TokenToKVPoolAllocator`` (page size 1) or ``PagedTokenToKVPoolAllocator`` hands out slot
+indices into a ``KVCache`` (``MHATokenToKVPool``: K and V per layer; ``MLATokenToKVPool``:
+one buffer), slot/page 0 being a padding slot never handed out. ``ReqToTokenPool`` maps
+each request to its slots; ``RadixCache`` keeps finished prefixes (evictable while no
+running request locks them, protected while one does). All three quantities SGLang keeps
+as O(1) counters, so ``snapshot()`` reads three of them:
+
+* ``allocator.available_size()``: free token slots (free + staged pages x page size);
+* ``tree_cache.evictable_size()``: cached slots no request locks (evictable);
+* ``tree_cache.protected_size()``: cached slots locked by running requests.
+
+Our record in blocks of SGLang's page size (``block_size_tokens`` = ``page_size``; every
+count below is a multiple of it, so ``x block_size_tokens`` gives SGLang's slots exactly):
+
+* ``total_blocks`` = ``max_total_num_tokens // page_size`` (the scheduler's capacity,
+  padding page excluded), ``virtual_blocks`` = that + 1 (the padding page is storage too);
+* ``available_blocks`` = ``(available_size() + evictable_size()) // page_size`` (ours
+  includes evictable cached blocks), ``cached_blocks`` = ``evictable_size() // page_size``;
+* ``allocated_blocks`` = ``num_used // page_size`` with SGLang's own formula
+  ``num_used = max_total_num_tokens - (available_size() + evictable_size())``
+  (``sglang:num_used_tokens`` / ``kv_used_tokens``; ``token_usage`` is
+  ``allocated_blocks / total_blocks``);
+* ``protected_blocks`` = ``protected_size() // page_size`` (a subset of allocated);
+* ``tokens_used`` = ``num_used`` when ``page_size == 1`` (every used slot holds a token);
+  null for larger pages, whose unfilled tail slots SGLang does not count in O(1);
+* ``reserved_blocks`` = 0 (SGLang has no reserve ledger); deferral, counters: null.
+
+Hook point (documented, not runnable here: SGLang's scheduler needs CUDA). The agent steps
+once per scheduler iteration in the scheduler process, after the batch result is processed,
+in ``Scheduler.event_loop_normal`` / ``event_loop_overlap`` (``managers/scheduler.py``;
+the disaggregated loops in ``disaggregation/prefill.py`` and ``decode.py`` likewise), e.g.
+by wrapping ``Scheduler.process_batch_result`` and ``Scheduler.on_idle``::
+
+    source = SGLangPoolSource(scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
+                              max_total_num_tokens=scheduler.max_total_num_tokens)
+    agent.register_pool(source)
+    ...  # after process_batch_result(batch, result), or on_idle()
+    agent.step(len(scheduler.running_batch.reqs), len(scheduler.waiting_queue))
+
+Hybrid pools (SWA, mamba) and HiCache host tiers are not covered: they have their own
+sizes (``swa_available_size`` ...) and would be more pools.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from kvsidecar.protocol.schema import KVCachePoolSnapshot
+
+
+def _buffer_geometry(kvcache: Any, page_size: int) -> tuple[int, int]:
+    """(num_kv_buffers, block_size_bytes) of an SGLang KVCache: one page, one layer, one buffer."""
+    k = getattr(kvcache, "k_buffer", None)
+    if k is not None:  # MHA: K and V per layer
+        buffers, first = 2, k[0]
+    else:  # MLA: one combined buffer per layer
+        buffers, first = 1, kvcache.kv_buffer[0]
+    per_slot = first[0].numel() * first.element_size()
+    return buffers, per_slot * page_size
+
+
+class SGLangPoolSource:
+    """`PoolSource` over an SGLang allocator + radix cache (see the module doc).
+
+    ``max_total_num_tokens`` is the scheduler's (``Scheduler.max_total_num_tokens``);
+    it defaults to the allocator's ``size``, which it equals for a plain pool.
+    ``tree_cache`` may be a disabled ``RadixCache`` (nothing evictable) or None.
+    """
+
+    def __init__(
+        self,
+        allocator: Any,
+        tree_cache: Any | None,
+        *,
+        max_total_num_tokens: int | None = None,
+        kvcache: Any | None = None,
+        pool_name: str | None = None,
+        group_id: int = 0,
+    ) -> None:
+        self._allocator = allocator
+        self._tree = tree_cache
+        page = int(allocator.page_size)
+        self._page = page
+        self._max_total = int(max_total_num_tokens or allocator.size)
+        kv = kvcache if kvcache is not None else allocator.get_kvcache()
+        buffers, block_bytes = _buffer_geometry(kv, page)
+        layers = int(kv.layer_num)
+        self._unit = block_bytes * layers * buffers
+        total = self._max_total // page
+        rows = total + 1  # the padding slot/page 0 is storage too
+        self.stats = KVCachePoolSnapshot(
+            pool_name=pool_name or ("mha" if buffers == 2 else "mla"),
+            group_id=group_id,
+            num_layers=layers,
+            num_kv_buffers=buffers,
+            block_size_tokens=page,
+            block_size_bytes=block_bytes,
+            total_blocks=total,
+            virtual_blocks=rows,
+            virtual_per_layer_bytes=rows * block_bytes * buffers,
+            virtual_total_bytes=rows * block_bytes * buffers * layers,
+            # SGLang allocates the whole pool up front (torch.zeros on the device).
+            mapped_bytes=rows * self._unit,
+            null_block_reserved=True,
+            cached_blocks=0,
+            protected_blocks=0,
+            tokens_used=0 if page == 1 else None,
+        )
+        self.snapshot()
+
+    def snapshot(self) -> KVCachePoolSnapshot:
+        # O(1): SGLang keeps all three as counters (len of a tensor, two ints).
+        free = self._allocator.available_size()
+        tree = self._tree
+        evictable = tree.evictable_size() if tree is not None else 0
+        protected = tree.protected_size() if tree is not None else 0
+        used = self._max_total - (free + evictable)  # SGLang's num_used
+        page, unit, s = self._page, self._unit, self.stats
+        available = (free + evictable) // page
+        allocated = used // page
+        s.allocated_blocks = allocated
+        s.available_blocks = available
+        s.cached_blocks = evictable // page
+        s.protected_blocks = protected // page
+        s.allocated_bytes = allocated * unit
+        s.available_bytes = available * unit
+        if page == 1:
+            s.tokens_used = used
+        return s

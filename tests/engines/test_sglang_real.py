@@ -1,0 +1,72 @@
+"""Our SGLang PoolSource against SGLang 0.5.23's real memory classes on CPU (its own env).
+
+The helper (sglang_helpers/oracle.py) runs a randomized scheduler-like sequence over
+SGLang's allocator, req-to-token pool and radix cache, and after every operation compares
+what we published (read back from shared memory) with SGLang's own counters and its
+token_usage formula. Built by ``bash .ci/engine-env sglang``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+import pytest
+
+from tests.engines.envs import run_in_engine_env
+
+HELPER = str(Path(__file__).parent / "sglang_helpers" / "oracle.py")
+
+
+@pytest.fixture(scope="module")
+def oracle() -> dict:
+    # One interpreter for both tests: importing SGLang is most of the cost (~15 s).
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm_dir = tempfile.mkdtemp(prefix="kvsidecar-sglang-", dir=base)
+    try:
+        args = [HELPER, shm_dir, "--ops", "1200", "--broken-ops", "100"]
+        proc = run_in_engine_env("sglang", args, timeout=300)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1])
+    out["rc"] = proc.returncode
+    return out
+
+
+def test_published_values_equal_sglang_counters_after_every_operation(oracle):
+    out = oracle
+    for r in out["runs"]:
+        print(
+            f"\nsglang {out['sglang']} {r['pool']} page_size={r['page_size']}: {r['ops']} ops "
+            f"({', '.join(f'{k} {v}' for k, v in r['by_op'].items())}), {r['checks']} checks, "
+            f"{r['mismatches']} mismatches; peak used/evictable/protected "
+            f"{r['max_used']}/{r['max_evictable']}/{r['max_protected']} of "
+            f"{r['max_total_num_tokens']} slots, {r['failed_allocs']} allocations refused"
+        )
+    assert out["rc"] == 0, out
+    assert out["sglang"] == "0.5.23"
+    for r in out["runs"]:
+        assert r["ops"] >= 1000 and r["mismatches"] == 0 and r["sim_errors"] == 0
+        assert r["problems"] == []
+        # The sequence reached the interesting states: a full pool, cache both evictable
+        # and protected, evictions forced by allocation.
+        assert r["max_used"] == r["max_total_num_tokens"]
+        assert r["max_evictable"] > 0 and r["max_protected"] > 0 and r["failed_allocs"] > 0
+        assert all(n > 0 for n in r["by_op"].values())
+    assert [(r["pool"], r["page_size"]) for r in out["runs"]] == [
+        ("mha", 1),
+        ("mha", 4),
+        ("mla", 2),
+    ]
+
+
+def test_the_oracle_catches_a_broken_adapter(oracle):
+    # Evictable slots dropped from available_blocks: the same comparison must fail.
+    broken = oracle["broken"]
+    assert len(broken) == 3 and all(r["mismatches"] > 0 for r in broken)
+    assert any("available_size" in p for r in broken for p in r["problems"])
