@@ -132,7 +132,7 @@ class HTTPStatsSnapshot:
     requests: Mapping[tuple[str, str], int]  # (handler, code) -> requests
     durations: Mapping[str, HistogramSnapshot]  # handler -> request duration seconds
     in_flight: int  # requests being rendered now (the ones max_requests counts)
-    rejected_connections: int  # closed at once: over max_connections
+    rejected_connections: int  # closed for max_connections: the longest-waiting, or a newcomer
     tls_handshake_errors: int  # failed handshakes, refused protocol versions, SAN mismatches
 
 
