@@ -325,7 +325,8 @@ def slowloris_cmd(quick: bool, out: str, connections: int, interval: float, tls:
     report.print_table(
         f"slowloris: {r['connections']} connections, a byte every {r['interval_s']:g} s"
         f"{' (TLS)' if r['tls'] else ''}, {r['seconds']:.0f} s; daemon "
-        f"{r['daemon_rss_mb']:.0f} MB RSS, {r['daemon_threads']} threads, {r['daemon_fds']} fds",
+        f"{r['daemon_rss_mb']:.0f} MB RSS, {r['daemon_cpu_pct']:.0f}% CPU, "
+        f"{r['daemon_threads']} threads, {r['daemon_fds']} fds",
         ["endpoint", "requests", "ok", "p50 ms", "p99 ms", "max ms", "target p99 ms", "met"],
         [
             [path, s["requests"], s["ok"], s["p50_ms"], s["p99_ms"], s["max_ms"], target,

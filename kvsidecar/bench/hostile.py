@@ -198,13 +198,15 @@ def run_slowloris(
         attack.start()
         time.sleep(min(5.0, interval))  # let every trickler connect and start
         samples: dict[str, list[tuple[bool, float]]] = {"/-/healthy": [], "/metrics": []}
-        deadline = time.monotonic() + seconds
+        cpu0, t0 = proc_stat(daemon.pid)[1], time.monotonic()
+        deadline = t0 + seconds
         while time.monotonic() < deadline:
             for path, got in samples.items():
                 got.append(_probe(port, path, ctx, timeout=5.0))
             time.sleep(0.05)
         open_conns = attack.open
-        rss, _cpu = proc_stat(daemon.pid)
+        rss, cpu1 = proc_stat(daemon.pid)
+        cpu_pct = 100 * (cpu1 - cpu0) / (time.monotonic() - t0)
         fds = fd_count(daemon.pid)
         threads = len(os.listdir(f"/proc/{daemon.pid}/task"))
         attack.stop()
@@ -216,6 +218,7 @@ def run_slowloris(
         "tricklers_open": open_conns,
         "tricklers_reopened": attack.reopened,
         "daemon_rss_mb": rss / 2**20,
+        "daemon_cpu_pct": cpu_pct,  # of one core, tricklers and probes together
         "daemon_fds": fds,
         "daemon_threads": threads,
         "healthy": _summary(samples["/-/healthy"]),

@@ -25,6 +25,7 @@ import errno
 import gzip
 import html
 import logging
+import queue
 import resource
 import socket
 import ssl
@@ -32,7 +33,6 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -71,6 +71,7 @@ OTHER = "other"  # handler label for unknown paths and unparseable requests
 _PLAIN = "text/plain; charset=utf-8"
 BACKLOG = 1024  # a burst of connects waits in the kernel, not refused
 FD_RESERVE = 128  # fds kept free of connections: segments, logs, listeners
+RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
 
@@ -132,7 +133,7 @@ class HTTPStatsSnapshot:
     requests: Mapping[tuple[str, str], int]  # (handler, code) -> requests
     durations: Mapping[str, HistogramSnapshot]  # handler -> request duration seconds
     in_flight: int  # requests being rendered now (the ones max_requests counts)
-    rejected_connections: int  # closed at once: over max_connections
+    rejected_connections: int  # closed for max_connections: the longest-waiting, or a newcomer
     tls_handshake_errors: int  # failed handshakes, refused protocol versions, SAN mismatches
 
 
@@ -297,6 +298,47 @@ class _Throttled:
         log.log(self.level, msg, *args)
 
 
+class _Workers:
+    """A fixed set of threads, all started at once: the daemon's thread count (and its
+    memory map) stays flat whatever the load, well inside the unit's TasksMax."""
+
+    def __init__(self, n: int, name: str) -> None:
+        self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
+        self._threads = [
+            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def submit(self, loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.Future:
+        future = loop.create_future()
+        self._jobs.put((loop, future, fn, args))
+        return future
+
+    def _run(self) -> None:
+        while (job := self._jobs.get()) is not None:
+            loop, future, fn, args = job
+            try:
+                outcome = (fn(*args), None)
+            except Exception as e:
+                outcome = (None, e)
+            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
+                loop.call_soon_threadsafe(_settle, future, *outcome)
+
+    def close(self) -> None:
+        for _ in self._threads:
+            self._jobs.put(None)
+
+
+def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
+    if future.cancelled():
+        return
+    if error is not None:
+        future.set_exception(error)
+    else:
+        future.set_result(result)
+
+
 @dataclass(eq=False)
 class _Conn:
     reader: asyncio.StreamReader | TLSReader
@@ -349,9 +391,10 @@ class _Front:
         self.max_connections = max_connections
         self.loop = asyncio.new_event_loop()
         self.loop.set_exception_handler(self._loop_error)
-        workers = web.max_requests or 64  # 0 = no 503; rendering still needs a bound
-        self.render_pool = ThreadPoolExecutor(workers, "kvsidecar-http")
-        self.probe_pool = ThreadPoolExecutor(2, "kvsidecar-probe")
+        # Renders hold the GIL: more threads would not make them faster, only queue
+        # inside the interpreter. Up to max_requests are admitted, RENDER_THREADS run.
+        self.render_pool = _Workers(RENDER_THREADS, "kvsidecar-http")
+        self.probe_pool = _Workers(2, "kvsidecar-probe")
         self.auth_gate = AuthGate()
         self.open: set[_Conn] = set()
         # Connections waiting for a request head (or a handshake), oldest first: the ones
@@ -517,8 +560,8 @@ class _Front:
         else:
             web.stats.request_started()
             try:
-                body, ctype, extra = await self.loop.run_in_executor(
-                    self.render_pool, web._render, route, request
+                body, ctype, extra = await self.render_pool.submit(
+                    self.loop, web._render, route, request
                 )
                 status = 200
                 headers.update(extra)
@@ -544,7 +587,7 @@ class _Front:
     async def _ready(self) -> tuple[bool, str]:
         try:
             return await asyncio.wait_for(
-                self.loop.run_in_executor(self.probe_pool, self.web.handlers.ready),
+                self.probe_pool.submit(self.loop, self.web.handlers.ready),
                 READY_TIMEOUT_S,
             )
         except TimeoutError:
@@ -645,7 +688,7 @@ class _Front:
 
         self.loop.call_soon_threadsafe(_stop)
         for pool in (self.render_pool, self.probe_pool):
-            pool.shutdown(wait=False, cancel_futures=True)
+            pool.close()
         self.auth_gate.close()
 
 
@@ -687,8 +730,9 @@ def _accepts_gzip(accept_encoding: str) -> bool:
 class WebServer:
     """The daemon's HTTP(S) server on one or more listen addresses.
 
-    ``max_requests`` caps requests rendered at once (0 = no cap: up to 64 at once, the
-    rest queue; health endpoints are exempt). ``max_connections`` caps open connections;
+    ``max_requests`` caps requests admitted at once, above it 503 (0 = no cap; health
+    endpoints are exempt); `RENDER_THREADS` of them render at a time, the others wait
+    their turn. ``max_connections`` caps open connections;
     at the cap the connection that has waited longest for its request is closed to make
     room, so clients that never finish a request cannot lock out those that do.
     ``request_timeout_s`` bounds a TLS handshake, a whole request head (and the idle time
