@@ -143,9 +143,11 @@ class KVSidecarAgent:
         self.error: str | None = None
         self._writer: SegmentWriter | None = None
         self._sources: list[PoolSource] = []
-        self._aliases: list[str | None] = []  # published pool_name when it had to change
+        self._renamed: list[tuple[int, str]] = []  # (pool index, published pool_name)
+        self._untracked: list[int] = []  # pools that report counts but not request ids
         self._tracked: list[bool] = []  # source reports its deferred ids to _deferred
         self._deferred = DeferredRequests()
+        self._deferred_ids = self._deferred.ids  # read by len() every step
         self._logged: set[str] = set()
         self._heartbeat_stop = threading.Event()
         self._memory: DeviceMemorySampler | None = None
@@ -251,10 +253,13 @@ class KVSidecarAgent:
                 e,
             )
             return False
+        index = len(self._sources)
         if alias is not None:
             record.pool_name = alias
+            self._renamed.append((index, alias))
+        if not tracked:
+            self._untracked.append(index)
         self._sources.append(source)
-        self._aliases.append(alias)
         self._tracked.append(tracked)
         self._snapshot.pools.append(record)
         return True
@@ -304,27 +309,18 @@ class KVSidecarAgent:
         try:
             r = self.runtime
             pools = self._snapshot.pools
-            aliases = self._aliases
-            tracked = self._tracked
-            most = untracked = untracked_n = 0
-            tracked_any = False
+            most = -1  # the largest per-pool deferred count; -1: no pool reports one
             i = 0
             for source in self._sources:
                 rec = source.snapshot()
-                alias = aliases[i]
-                if alias is not None:
-                    rec.pool_name = alias
                 pools[i] = rec
                 n = rec.deferred_free_requests
-                if n is not None:
-                    if n > most:
-                        most = n
-                    if tracked[i]:
-                        tracked_any = True
-                    else:
-                        untracked += 1
-                        untracked_n = n
+                if n is not None and n > most:
+                    most = n
                 i += 1
+            if self._renamed:
+                for i, alias in self._renamed:
+                    pools[i].pool_name = alias
             code = layout.PUBLISH_ERR_ARGUMENT
             # The usual case (a plain int in range) costs two comparisons.
             if type(requests_running) is not int or not 0 <= requests_running <= _MAX_COUNT:
@@ -335,19 +331,20 @@ class KVSidecarAgent:
                 distinct = requests_deferred_free
                 if type(distinct) is not int or not 0 <= distinct <= _MAX_COUNT:
                     distinct = _count(distinct)
-            elif untracked == 0:
-                # Every deferring pool reports ids: one request in several pools counts once.
-                distinct = len(self._deferred) if tracked_any else None
+            elif most < 0:
+                distinct = None  # no pool supports deferral: unsupported, not 0
+            elif self._untracked:
+                distinct = self._distinct_without_ids(pools)
             else:
-                # Counts without ids: exact for a single pool, unknowable across several.
-                distinct = untracked_n if untracked == 1 and not tracked_any else None
+                # Every pool reports its ids: one request deferred in several counts once.
+                distinct = len(self._deferred_ids)
             code = layout.PUBLISH_ERR_OTHER
             r.step += 1
             r.requests_running = requests_running
             r.requests_waiting = requests_waiting
             r.requests_deferred_free_distinct = distinct
             # v1.0 meaning for older readers: 0 when unknown, the max over pools at least.
-            r.requests_deferred_free = most if distinct is None else distinct
+            r.requests_deferred_free = (most if most > 0 else 0) if distinct is None else distinct
             memory = self._memory
             if memory is not None:
                 r.device_total_bytes, r.device_free_bytes = memory.sample()
@@ -369,6 +366,25 @@ class KVSidecarAgent:
                 )
         self._last_step_ns = t0  # for the idle heartbeat: no extra clock read per step
         self.runtime.last_publish_duration_ns = time.perf_counter_ns() - t0
+
+    def _distinct_without_ids(self, pools: list[KVCachePoolSnapshot]) -> int | None:
+        """Distinct deferred requests when some pools give counts but no ids (adapters):
+        exact only if that is a single pool and no pool with ids defers anything."""
+        counts = [
+            pools[i].deferred_free_requests
+            for i in self._untracked
+            if pools[i].deferred_free_requests is not None
+        ]
+        tracked_report = any(
+            p.deferred_free_requests is not None
+            for i, p in enumerate(pools)
+            if i not in self._untracked
+        )
+        if len(counts) == 1 and not tracked_report:
+            return counts[0]
+        if not counts:
+            return len(self._deferred_ids)
+        return None
 
     def heartbeat(self) -> None:
         """Keep the segment fresh while the engine idles (call from its idle wait)."""

@@ -116,23 +116,23 @@ class DeferredRequests:
     once). Pools that support it (`KVBlockPool.track_deferred`) report to it at mutation
     time, so the per-step read is ``len()``."""
 
-    __slots__ = ("_holds",)
+    __slots__ = ("ids",)
 
     def __init__(self) -> None:
-        self._holds: dict[str, int] = {}  # request id -> pools deferring it
+        self.ids: dict[str, int] = {}  # request id -> pools deferring it
 
     def add(self, req_id: str) -> None:
-        self._holds[req_id] = self._holds.get(req_id, 0) + 1
+        self.ids[req_id] = self.ids.get(req_id, 0) + 1
 
     def discard(self, req_id: str) -> None:
-        n = self._holds.get(req_id, 0) - 1
+        n = self.ids.get(req_id, 0) - 1
         if n > 0:
-            self._holds[req_id] = n
+            self.ids[req_id] = n
         elif n == 0:
-            del self._holds[req_id]
+            del self.ids[req_id]
 
     def __len__(self) -> int:
-        return len(self._holds)
+        return len(self.ids)
 
 
 def default_device() -> torch.device:
