@@ -472,19 +472,30 @@ class KVBlockPool:
         or is not held through `alloc_blocks` as often as it is listed (a request's,
         a lease's, the null block, or one already freed).
         """
-        ids = self._block_ids(block_ids)
-        want: dict[int, int] = {}
-        for b in ids:
-            want[b] = want.get(b, 0) + 1
+        ids = as_int_list(block_ids)
         raw = self._raw_refs
-        for b, k in want.items():
-            if raw[b] < k:
-                raise ValueError(
-                    f"block {b} is not held through alloc_blocks {k} time(s) (held {raw[b]}): "
-                    "nothing freed"
-                )
-        for b in ids:
-            raw[b] -= 1
+        rows = self._rows
+        taken = 0
+        plain = True  # every id a plain int (lists, arrays and tensors give those)
+        try:  # one pass: take each reference, undone below if any id is refused
+            for b in ids:
+                if type(b) is not int:
+                    b = _integer(b, "a block id")
+                    plain = False
+                if not 0 < b < rows:
+                    raise ValueError(f"block id {b} is outside this pool (1..{rows - 1})")
+                if raw[b] == 0:
+                    raise ValueError(
+                        f"block {b} is not held through alloc_blocks (often enough): nothing freed"
+                    )
+                raw[b] -= 1
+                taken += 1
+        except BaseException:
+            for j in range(taken):
+                raw[_integer(ids[j], "a block id")] += 1
+            raise
+        if not plain:
+            ids = [_integer(b, "a block id") for b in ids]
         self._unref(ids)
         self._maybe_finish_shrink()
         self._publish()
