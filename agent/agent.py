@@ -163,6 +163,7 @@ class KVSidecarAgent:
                 heartbeat_interval, instance, env,
             )  # fmt: skip
         except Exception as e:  # never into the engine
+            self.close()
             self._disable(f"bad configuration ({type(e).__name__}: {e})")
         ref = weakref.ref(self)
         atexit.register(lambda: (a := ref()) is not None and a.close())
