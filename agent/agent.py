@@ -9,20 +9,36 @@ The engine calls ``agent.step(...)`` once per engine step. That call:
 * publishes through the segment writer (msgspec ``encode_into`` a preallocated
   buffer + one C call: no lock, no system call).
 
-Nothing here ever raises into the engine: a failure to create the segment
-disables the agent with one log line naming the cause and the fix; a failed
-publish is counted (``publish_errors_total``) and logged once per cause.
+Nothing here ever raises into the engine, whatever it is given: bad constructor
+values fall back to defaults with a warning (or, if nothing works, disable the agent
+with one log line naming the cause); `register_pool` refuses what is not a pool
+(returns False, logs once); ``step()`` accepts the usual numeric scalars (int,
+bool, numpy and torch integers and floats, clamped to 0..2^63-1). A failure to
+create the segment disables the agent with one log line naming the cause and the
+fix; a failed publish is counted (``publish_errors_total`` in the payload, and
+in the segment *header* with its reason, so a daemon sees a failing publisher
+even when no snapshot ever got through) and logged once per cause.
+
+Pools are published under distinct ``(pool_name, group_id)``: a second pool
+registered under a name already taken is published as ``<name>_2`` (then
+``_3``, ...) in registration order, with one warning, so no two pools of a
+rank ever give the same series.
 
 Configuration: constructor arguments win; otherwise ``KVSIDECAR_*`` environment
 variables (``KVSIDECAR_ENGINE``, ``_MODEL_NAME``, ``_ROLE``, ``_DP_RANK``,
 ``_DP_SIZE``, ``_TP_RANK``, ``_TP_SIZE``, ``_PP_RANK``, ``_PP_SIZE``,
-``_SHM_DIR``, ``_SEGMENT``, ``_GROUP``, ``_DISABLE=1``); otherwise defaults.
+``_SHM_DIR``, ``_SEGMENT``, ``_GROUP``, ``_INSTANCE``, ``_DISABLE=1``); otherwise
+defaults. ``instance`` (the id a daemon sums DP ranks within) defaults to the
+PID namespace and process group, which the ranks of one engine launched by one
+launcher share and two separately started engines do not; set it when yours
+differ (e.g. ``KVSIDECAR_INSTANCE=$POD_NAME``).
 """
 
 from __future__ import annotations
 
 import atexit
 import logging
+import operator
 import os
 import threading
 import time
@@ -30,25 +46,71 @@ import weakref
 from collections.abc import Mapping
 
 from kvsidecar.agent.adapters import PoolSource
-from kvsidecar.agent.pool import DeviceMemorySampler, default_device
+from kvsidecar.agent.pool import DeferredRequests, DeviceMemorySampler, default_device
+from kvsidecar.protocol import layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR, default_segment_name
-from kvsidecar.protocol.schema import ROLES, RuntimeSnapshot, Snapshot
+from kvsidecar.protocol.schema import ROLES, KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
 
 log = logging.getLogger("kvsidecar.agent")
 
 
-def _setting(value, env: Mapping[str, str], key: str, default, cast=str):
+_MAX_COUNT = 2**63 - 1  # the largest count a reader accepts (a signed 64-bit integer)
+
+
+def _count(value: object) -> int:
+    """A count from any usual numeric scalar, clamped to 0..2^63-1.
+
+    int, bool, numpy/torch integers (``operator.index``) and floats (``float()``, NaN
+    refused). Raises TypeError/ValueError for anything else (a string is not a count).
+    """
+    if isinstance(value, (str, bytes)):
+        raise TypeError(f"not a number: {value!r}")
+    try:
+        n = operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        f = float(value)  # type: ignore[arg-type]
+        if f != f:
+            raise ValueError("NaN is not a count") from None
+        n = _MAX_COUNT if f >= _MAX_COUNT else int(f) if f > 0 else 0
+    return 0 if n < 0 else _MAX_COUNT if n > _MAX_COUNT else n
+
+
+def _text(value: object) -> str:
+    return os.fspath(value) if isinstance(value, os.PathLike) else str(value)  # type: ignore[return-value]
+
+
+def _default_instance() -> str:
+    """PID namespace + process group: shared by the ranks one launcher starts (vLLM's engine
+    cores, torchrun's ranks), distinct for engines started separately (shell jobs, systemd
+    units, containers)."""
+    try:
+        ns = os.stat("/proc/self/ns/pid").st_ino
+    except OSError:
+        ns = 0
+    return f"{ns:x}.{os.getpgrp()}"
+
+
+def _setting(value, env: Mapping[str, str], key: str, default, cast=_text):
     if value is not None:
-        return value
+        try:
+            return cast(value)
+        except (TypeError, ValueError, OverflowError):
+            log.warning("kvsidecar: ignoring %s=%r (not a %s)", key.lower(), value, cast.__name__)
+            return default
     raw = env.get(f"KVSIDECAR_{key}")
     if raw is None or raw == "":
         return default
     try:
         return cast(raw)
-    except ValueError:
+    except (TypeError, ValueError, OverflowError):
         log.warning("kvsidecar: ignoring KVSIDECAR_%s=%r (not a %s)", key, raw, cast.__name__)
         return default
+
+
+def _int_env(raw: object) -> int:
+    # Environment values are strings: int("3"); arguments go through _count.
+    return _count(int(raw)) if isinstance(raw, str) else _count(raw)
 
 
 class KVSidecarAgent:
@@ -73,30 +135,68 @@ class KVSidecarAgent:
         group: str | int | None = None,
         enabled: bool | None = None,
         heartbeat_interval: float | None = None,
+        instance: str | None = None,
         env: Mapping[str, str] | None = None,
     ) -> None:
+        # A safe, disabled agent first: whatever fails below, every method still works.
+        self.enabled = False
+        self.error: str | None = None
+        self._writer: SegmentWriter | None = None
+        self._sources: list[PoolSource] = []
+        self._renamed: list[tuple[int, str]] = []  # (pool index, published pool_name)
+        self._untracked: list[int] = []  # pools that report counts but not request ids
+        self._tracked: list[bool] = []  # source reports its deferred ids to _deferred
+        self._deferred = DeferredRequests()
+        self._deferred_ids = self._deferred.ids  # read by len() every step
+        self._logged: set[str] = set()
+        self._heartbeat_stop = threading.Event()
+        self._memory: DeviceMemorySampler | None = None
+        self._last_step_ns = time.perf_counter_ns()
+        self.runtime = RuntimeSnapshot(pid=os.getpid(), start_time=time.time())
+        self._snapshot = Snapshot(runtime=self.runtime, pools=[])
+        self.shm_dir = DEFAULT_SHM_DIR
+        self.segment_name = ""
+        try:
+            self._configure(
+                engine, model_name, role, engine_version, dp_rank, dp_size, tp_rank, tp_size,
+                pp_rank, pp_size, device, shm_dir, segment_name, group, enabled,
+                heartbeat_interval, instance, env,
+            )  # fmt: skip
+        except Exception as e:  # never into the engine
+            self.close()
+            self._disable(f"bad configuration ({type(e).__name__}: {e})")
+        ref = weakref.ref(self)
+        atexit.register(lambda: (a := ref()) is not None and a.close())
+
+    def _configure(
+        self, engine, model_name, role, engine_version, dp_rank, dp_size, tp_rank, tp_size,
+        pp_rank, pp_size, device, shm_dir, segment_name, group, enabled, heartbeat_interval,
+        instance, env,
+    ) -> None:  # fmt: skip
         env = os.environ if env is None else env
         engine = _setting(engine, env, "ENGINE", "unknown")
         role = _setting(role, env, "ROLE", "both")
         if role not in ROLES:
             log.warning("kvsidecar: role %r is not one of %s; using 'both'", role, ROLES)
             role = "both"
-        self.runtime = RuntimeSnapshot(
-            engine=engine,
-            engine_version=_setting(engine_version, env, "ENGINE_VERSION", ""),
-            model_name=_setting(model_name, env, "MODEL_NAME", ""),
-            role=role,
-            pid=os.getpid(),
-            start_time=time.time(),
-            device=str(device or default_device()),
-            dp_rank=_setting(dp_rank, env, "DP_RANK", 0, int),
-            dp_size=_setting(dp_size, env, "DP_SIZE", 1, int),
-            tp_rank=_setting(tp_rank, env, "TP_RANK", 0, int),
-            tp_size=_setting(tp_size, env, "TP_SIZE", 1, int),
-            pp_rank=_setting(pp_rank, env, "PP_RANK", 0, int),
-            pp_size=_setting(pp_size, env, "PP_SIZE", 1, int),
-        )
         r = self.runtime
+        r.engine = engine
+        r.engine_version = _setting(engine_version, env, "ENGINE_VERSION", "")
+        r.model_name = _setting(model_name, env, "MODEL_NAME", "")
+        r.role = role
+        r.dp_rank = _setting(dp_rank, env, "DP_RANK", 0, _int_env)
+        r.dp_size = _setting(dp_size, env, "DP_SIZE", 1, _int_env)
+        r.tp_rank = _setting(tp_rank, env, "TP_RANK", 0, _int_env)
+        r.tp_size = _setting(tp_size, env, "TP_SIZE", 1, _int_env)
+        r.pp_rank = _setting(pp_rank, env, "PP_RANK", 0, _int_env)
+        r.pp_size = _setting(pp_size, env, "PP_SIZE", 1, _int_env)
+        r.instance = _setting(instance, env, "INSTANCE", None) or _default_instance()
+        try:
+            r.device = _text(device or default_device())
+            self._memory = DeviceMemorySampler(r.device)
+        except Exception as e:  # an unknown device: publish without device memory
+            log.warning("kvsidecar: device %r not usable (%s); no device memory", device, e)
+            r.device = _text(device)
         self.shm_dir = _setting(shm_dir, env, "SHM_DIR", DEFAULT_SHM_DIR)
         self.segment_name = _setting(
             segment_name,
@@ -107,36 +207,82 @@ class KVSidecarAgent:
             ),
         )
         disabled = env.get("KVSIDECAR_DISABLE", "") not in ("", "0", "false")
-        self.enabled = (not disabled) if enabled is None else enabled
-        self.error: str | None = None
-        self._sources: list[PoolSource] = []
-        self._snapshot = Snapshot(runtime=r, pools=[])
-        self._memory = DeviceMemorySampler(r.device)
-        self._logged: set[str] = set()
-        self._writer: SegmentWriter | None = None
-        self._last_step_ns = time.perf_counter_ns()
+        self.enabled = (not disabled) if enabled is None else bool(enabled)
         if self.enabled:
-            self._open(_setting(group, env, "GROUP", None))
-        self._heartbeat_stop = threading.Event()
-        if heartbeat_interval and self._writer is not None:
-            self._start_heartbeat(heartbeat_interval)
-        ref = weakref.ref(self)
-        atexit.register(lambda: (a := ref()) is not None and a.close())
+            self._open(_setting(group, env, "GROUP", None, lambda g: g))
+        interval = _setting(heartbeat_interval, {}, "HEARTBEAT_INTERVAL", None, float)
+        if interval and interval > 0 and self._writer is not None:
+            self._start_heartbeat(interval)
 
     # -- setup ------------------------------------------------------------------
+
+    def _disable(self, why: str) -> None:
+        self.enabled, self.error = False, why
+        log.warning("kvsidecar agent disabled, the engine continues without it: %s", why)
 
     def _open(self, group: str | int | None) -> None:
         try:
             self._writer = SegmentWriter(self.segment_name, shm_dir=self.shm_dir, group=group)
         except Exception as e:  # never into the engine: disable and say why, once
-            self.enabled = False
-            self.error = str(e)
-            log.warning("kvsidecar agent disabled, the engine continues without it: %s", e)
+            self._disable(str(e))
 
-    def register_pool(self, source: PoolSource) -> None:
-        """Publish this pool every step (our KVBlockPool, or an adapter over an engine's)."""
+    def register_pool(self, source: PoolSource) -> bool:
+        """Publish this pool every step (our KVBlockPool, or an adapter over an engine's).
+
+        Returns False, with one warning, for what is not a pool (no ``snapshot()``
+        returning a `KVCachePoolSnapshot`) or a source already registered. A pool whose
+        ``(pool_name, group_id)`` is taken is published as ``<pool_name>_<k>`` (k = 2, 3,
+        ... in registration order). Never raises.
+        """
+        try:
+            if any(s is source for s in self._sources):
+                log.warning("kvsidecar: pool %r is already registered; ignoring it", source)
+                return False
+            record = source.snapshot()
+            if not isinstance(record, KVCachePoolSnapshot):
+                raise TypeError(f"snapshot() returned {type(record).__name__}")
+            alias = self._free_name(record)
+            track = getattr(source, "track_deferred", None)
+            tracked = callable(track)
+            if tracked:
+                track(self._deferred)
+        except Exception as e:
+            log.warning(
+                "kvsidecar: refusing to publish %r: not a pool source (%s: %s)",
+                source,
+                type(e).__name__,
+                e,
+            )
+            return False
+        index = len(self._sources)
+        if alias is not None:
+            record.pool_name = alias
+            self._renamed.append((index, alias))
+        if not tracked:
+            self._untracked.append(index)
         self._sources.append(source)
-        self._snapshot.pools.append(source.snapshot())
+        self._tracked.append(tracked)
+        self._snapshot.pools.append(record)
+        return True
+
+    def _free_name(self, record: KVCachePoolSnapshot) -> str | None:
+        """None if the record's (pool_name, group_id) is free, else the first free alias."""
+        taken = {(p.pool_name, p.group_id) for p in self._snapshot.pools}
+        name, group = record.pool_name, record.group_id
+        if (name, group) not in taken:
+            return None
+        k = 2
+        while (f"{name}_{k}", group) in taken:
+            k += 1
+        alias = f"{name}_{k}"
+        log.warning(
+            "kvsidecar: a pool named %r (group %s) is already registered; publishing this "
+            "one as %r (give each pool a distinct pool_name or group_id)",
+            name,
+            group,
+            alias,
+        )
+        return alias
 
     @property
     def segment_path(self) -> str | None:
@@ -150,42 +296,96 @@ class KVSidecarAgent:
         requests_waiting: int = 0,
         requests_deferred_free: int | None = None,
     ) -> None:
-        """Publish one snapshot. Costs about a microsecond; never raises."""
+        """Publish one snapshot. Costs about a microsecond; never raises.
+
+        ``requests_deferred_free``: the engine's own count of distinct deferred requests,
+        if it has one; otherwise it is taken from the pools (exact when they report their
+        request ids, like `KVBlockPool`, or when a single pool reports deferral).
+        """
         writer = self._writer
         if writer is None:
             return
         t0 = time.perf_counter_ns()
+        code = layout.PUBLISH_ERR_POOL_SOURCE  # which stage failed, for the header
         try:
             r = self.runtime
             pools = self._snapshot.pools
-            deferred = 0
-            for i, source in enumerate(self._sources):
+            most = -1  # the largest per-pool deferred count; -1: no pool reports one
+            i = 0
+            for source in self._sources:
                 rec = source.snapshot()
                 pools[i] = rec
                 n = rec.deferred_free_requests
-                if n is not None and n > deferred:
-                    deferred = n
+                if n is not None and n > most:
+                    most = n
+                i += 1
+            if self._renamed:
+                for i, alias in self._renamed:
+                    pools[i].pool_name = alias
+            code = layout.PUBLISH_ERR_ARGUMENT
+            # The usual case (a plain int in range) costs two comparisons.
+            if type(requests_running) is not int or not 0 <= requests_running <= _MAX_COUNT:
+                requests_running = _count(requests_running)
+            if type(requests_waiting) is not int or not 0 <= requests_waiting <= _MAX_COUNT:
+                requests_waiting = _count(requests_waiting)
+            if requests_deferred_free is not None:
+                distinct = requests_deferred_free
+                if type(distinct) is not int or not 0 <= distinct <= _MAX_COUNT:
+                    distinct = _count(distinct)
+            elif most < 0:
+                distinct = None  # no pool supports deferral: unsupported, not 0
+            elif self._untracked:
+                distinct = self._distinct_without_ids(pools)
+            else:
+                # Every pool reports its ids: one request deferred in several counts once.
+                distinct = len(self._deferred_ids)
+            code = layout.PUBLISH_ERR_OTHER
             r.step += 1
             r.requests_running = requests_running
             r.requests_waiting = requests_waiting
-            # One request defers in every pool it uses: the max over pools, not the sum.
-            r.requests_deferred_free = (
-                deferred if requests_deferred_free is None else requests_deferred_free
-            )
-            r.device_total_bytes, r.device_free_bytes = self._memory.sample()
+            r.requests_deferred_free_distinct = distinct
+            # v1.0 meaning for older readers: 0 when unknown, the max over pools at least.
+            r.requests_deferred_free = (most if most > 0 else 0) if distinct is None else distinct
+            memory = self._memory
+            if memory is not None:
+                r.device_total_bytes, r.device_free_bytes = memory.sample()
             r.initialized = True
+            code = -1  # from here on the writer records its own failures in the header
             writer.publish(self._snapshot)
-        except OSError as e:
-            # The segment itself is broken (truncated under us): stop touching it.
-            self.runtime.publish_errors_total += 1
-            self.enabled, self.error = False, str(e)
-            self._writer = None
-            log.warning("kvsidecar agent disabled, the engine continues without it: %s", e)
         except Exception as e:
             self.runtime.publish_errors_total += 1
-            self._log_once(type(e).__name__, f"kvsidecar publish failed (engine unaffected): {e}")
+            if code < 0 and isinstance(e, OSError):
+                # The segment itself is broken (truncated under us): stop touching it.
+                self._writer = None
+                self._disable(str(e))
+            else:
+                if code >= 0:
+                    writer.record_error(code)
+                self._log_once(
+                    f"{code}:{type(e).__name__}",
+                    f"kvsidecar publish failed (engine unaffected): {type(e).__name__}: {e}",
+                )
         self._last_step_ns = t0  # for the idle heartbeat: no extra clock read per step
         self.runtime.last_publish_duration_ns = time.perf_counter_ns() - t0
+
+    def _distinct_without_ids(self, pools: list[KVCachePoolSnapshot]) -> int | None:
+        """Distinct deferred requests when some pools give counts but no ids (adapters):
+        exact only if that is a single pool and no pool with ids defers anything."""
+        counts = [
+            pools[i].deferred_free_requests
+            for i in self._untracked
+            if pools[i].deferred_free_requests is not None
+        ]
+        tracked_report = any(
+            p.deferred_free_requests is not None
+            for i, p in enumerate(pools)
+            if i not in self._untracked
+        )
+        if len(counts) == 1 and not tracked_report:
+            return counts[0]
+        if not counts:
+            return len(self._deferred_ids)
+        return None
 
     def heartbeat(self) -> None:
         """Keep the segment fresh while the engine idles (call from its idle wait)."""
@@ -213,8 +413,15 @@ class KVSidecarAgent:
     # -- teardown ---------------------------------------------------------------
 
     def close(self) -> None:
-        """Mark the segment closed and unlink it. Idempotent."""
+        """Mark the segment closed and unlink it. Idempotent; never raises."""
         self._heartbeat_stop.set()
+        for source, tracked in zip(self._sources, self._tracked):
+            if tracked:
+                try:
+                    source.untrack_deferred(self._deferred)  # type: ignore[attr-defined]
+                except Exception:
+                    pass
+        self._tracked = [False] * len(self._sources)
         writer, self._writer = self._writer, None
         if writer is not None:
             try:

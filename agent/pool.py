@@ -49,11 +49,18 @@ Counter definitions (``pool.stats``), all in blocks unless named ``*_bytes``:
   rows x block_size_bytes x num_layers x num_kv_buffers. Storage grows with `resize` and is
   never given back by a shrink (like kvcached's reserved pages until ``trim()``).
 
+Invalid input never half-applies: every mutating method validates everything first (ids
+inside the pool, counts that are integers, references the caller really holds) and raises
+ValueError/TypeError/KeyError with the pool unchanged, or mutates completely. In
+particular `free_blocks` only drops references `alloc_blocks` handed out, so it can never
+free another request's block.
+
 Not thread-safe: call it from the engine thread that also publishes the snapshot.
 """
 
 from __future__ import annotations
 
+import operator
 import os
 import time
 from array import array
@@ -97,6 +104,38 @@ def convert_table(ids: Sequence[int], kind: TableKind) -> BlockTable:
     if kind == "tensor":
         return torch.tensor(list(ids), dtype=torch.int32)
     raise ValueError(f"unknown block table kind {kind!r}")
+
+
+def _integer(value: object, what: str) -> int:
+    """operator.index (ints, numpy/torch integers): floats and strings are refused."""
+    try:
+        return operator.index(value)  # type: ignore[arg-type]
+    except TypeError:
+        raise TypeError(f"{what} must be an integer, not {type(value).__name__}") from None
+
+
+class DeferredRequests:
+    """Distinct deferred request ids across pools (a request deferring in k pools counts
+    once). Pools that support it (`KVBlockPool.track_deferred`) report to it at mutation
+    time, so the per-step read is ``len()``."""
+
+    __slots__ = ("ids",)
+
+    def __init__(self) -> None:
+        self.ids: dict[str, int] = {}  # request id -> pools deferring it
+
+    def add(self, req_id: str) -> None:
+        self.ids[req_id] = self.ids.get(req_id, 0) + 1
+
+    def discard(self, req_id: str) -> None:
+        n = self.ids.get(req_id, 0) - 1
+        if n > 0:
+            self.ids[req_id] = n
+        elif n == 0:
+            del self.ids[req_id]
+
+    def __len__(self) -> int:
+        return len(self.ids)
 
 
 def default_device() -> torch.device:
@@ -159,6 +198,7 @@ class KVBlockPool:
         self._rows = rows
         self._kv: list[torch.Tensor] = [self._new_storage(rows) for _ in range(num_layers)]
         self._refcount = [0] * rows
+        self._raw_refs = [0] * rows  # references handed out by alloc_blocks (free_blocks' own)
         self._fill = [0] * rows  # token slots written per block
         self._deferred_holders = [0] * rows  # deferred requests whose table holds the block
         self._block_hash: list[int | None] = [None] * rows  # set iff _hash_to_block maps back
@@ -179,6 +219,7 @@ class KVBlockPool:
         # releases in any order are O(1) to remove (an OrderedDict is a linked list).
         self._deferred_since: OrderedDict[str, int] = OrderedDict()
         self._tokens_used = 0
+        self._trackers: list[DeferredRequests] = []
 
         self.stats = KVCachePoolSnapshot(
             pool_name=pool_name,
@@ -219,8 +260,17 @@ class KVBlockPool:
         return self._kv[layer]
 
     def slot_indices(self, block_table: BlockTable, start: int, end: int) -> torch.Tensor:
-        """Flat slot ids (block * block_size + offset) of token positions [start, end)."""
-        table = torch.as_tensor(as_int_list(block_table), dtype=torch.long, device=self.device)
+        """Flat slot ids (block * block_size + offset) of token positions [start, end).
+
+        ValueError for an id outside the storage or positions past the table: a negative id
+        would wrap to another block, and on a GPU an out-of-range one is a device assert.
+        """
+        ids = as_int_list(block_table)
+        if ids and (min(ids) < 0 or max(ids) >= self._rows):
+            raise ValueError(f"block table holds ids outside this pool (0..{self._rows - 1})")
+        if start < 0 or end < start or end > len(ids) * self.block_size:
+            raise ValueError(f"positions [{start}, {end}) are not covered by the block table")
+        table = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         pos = torch.arange(start, end, device=self.device)
         return table[pos // self.block_size] * self.block_size + pos % self.block_size
 
@@ -234,11 +284,11 @@ class KVBlockPool:
     ) -> None:
         """Store K (and V) ``[n, kv_heads, head_dim]`` for positions [start, start+n)."""
         flat = self._kv[layer].view(self.num_kv_buffers, -1, self.kv_heads, self.head_dim)
+        if self.num_kv_buffers == 2 and (v is None or v.shape != k.shape):
+            raise ValueError("this pool stores K and V: pass v shaped like k")  # before any write
         slots = self.slot_indices(block_table, start, start + k.shape[0])
         flat[0].index_copy_(0, slots, k.to(device=self.device, dtype=self.dtype))
         if self.num_kv_buffers == 2:
-            if v is None:
-                raise ValueError("this pool stores K and V: pass v")
             flat[1].index_copy_(0, slots, v.to(device=self.device, dtype=self.dtype))
 
     def read_kv(
@@ -394,6 +444,7 @@ class KVBlockPool:
 
     def alloc_blocks(self, n: int) -> list[int] | None:
         """Low-level: n blocks with refcount 1 for the caller, or None (counted) if no room."""
+        n = _integer(n, "n")
         if n < 0:
             raise ValueError("n >= 0")
         if not self._fits(n):
@@ -402,15 +453,55 @@ class KVBlockPool:
             return None
         out: list[int] = []
         self._alloc_into(n, out)
+        raw = self._raw_refs
+        for b in out:
+            raw[b] += 1
         self._publish()
         return out
 
-    def free_blocks(self, block_ids: BlockTable) -> None:
-        """Low-level: drop one reference from each block (in the given order).
+    def _block_ids(self, block_ids: BlockTable) -> list[int]:
+        """A private list of valid block ids (1..rows-1; never wrapped); raises otherwise."""
+        rows = self._rows
+        out = []
+        for b in as_int_list(block_ids):
+            b = _integer(b, "a block id")
+            if not 0 < b < rows:
+                raise ValueError(f"block id {b} is outside this pool (1..{rows - 1})")
+            out.append(b)
+        return out
 
-        Raises ValueError on a block with no reference; ids before it are already freed.
+    def free_blocks(self, block_ids: BlockTable) -> None:
+        """Low-level: give back blocks from `alloc_blocks` (one reference per listed id).
+
+        All or nothing: ValueError, with the pool unchanged, if any id is outside the pool
+        or is not held through `alloc_blocks` as often as it is listed (a request's,
+        a lease's, the null block, or one already freed).
         """
-        self._unref(as_int_list(block_ids))
+        ids = as_int_list(block_ids)
+        raw = self._raw_refs
+        rows = self._rows
+        taken = 0
+        plain = True  # every id a plain int (lists, arrays and tensors give those)
+        try:  # one pass: take each reference, undone below if any id is refused
+            for b in ids:
+                if type(b) is not int:
+                    b = _integer(b, "a block id")
+                    plain = False
+                if not 0 < b < rows:
+                    raise ValueError(f"block id {b} is outside this pool (1..{rows - 1})")
+                if raw[b] == 0:
+                    raise ValueError(
+                        f"block {b} is not held through alloc_blocks (often enough): nothing freed"
+                    )
+                raw[b] -= 1
+                taken += 1
+        except BaseException:
+            for j in range(taken):
+                raw[_integer(ids[j], "a block id")] += 1
+            raise
+        if not plain:
+            ids = [_integer(b, "a block id") for b in ids]
+        self._unref(ids)
         self._maybe_finish_shrink()
         self._publish()
 
@@ -422,6 +513,7 @@ class KVBlockPool:
         They count as allocated and as available; the next allocations drain them first.
         False (one alloc failure) if there is no room.
         """
+        n = _integer(n, "n")
         if n < 0:
             raise ValueError("n >= 0")
         if n > self._room():
@@ -435,7 +527,7 @@ class KVBlockPool:
 
     def release_reserved(self, n: int) -> int:
         """Return up to n ledger blocks to the free list; returns how many."""
-        k = min(max(n, 0), len(self._reserve))
+        k = min(max(_integer(n, "n"), 0), len(self._reserve))
         for _ in range(k):
             self._free.append(self._reserve.pop())
         self.stats.frees_total += k
@@ -450,6 +542,7 @@ class KVBlockPool:
         no longer fit. Below allocated: ``in_shrink`` with that target; ``total_blocks``
         keeps the old value and allocated may not grow until frees complete the shrink.
         """
+        new_total_blocks = _integer(new_total_blocks, "new_total_blocks")
         if new_total_blocks < 0:
             raise ValueError("new_total_blocks >= 0")
         if new_total_blocks < self._n_used + len(self._reserve):
@@ -470,12 +563,15 @@ class KVBlockPool:
 
     def _grow_storage(self, rows: int) -> None:
         old = self._rows
-        for i, t in enumerate(self._kv):
+        grown = []
+        for t in self._kv:  # every layer first: an OOM half-way leaves the pool as it was
             new = self._new_storage(rows)
             new[:, :old].copy_(t)
-            self._kv[i] = new
+            grown.append(new)
+        self._kv[:] = grown
         extra = rows - old
         self._refcount.extend([0] * extra)
+        self._raw_refs.extend([0] * extra)
         self._fill.extend([0] * extra)
         self._deferred_holders.extend([0] * extra)
         self._block_hash.extend([None] * extra)
@@ -566,9 +662,15 @@ class KVBlockPool:
         the request's later blocks are not cached.
         """
         req = self._live(req_id)
+        n_tokens = _integer(n_tokens, "n_tokens")
         if n_tokens < 0:
             raise ValueError("n_tokens >= 0")
-        ids = None if token_ids is None else as_int_list(token_ids)
+        # Checked now: they are hashed after the blocks are taken, too late to fail.
+        ids = (
+            None
+            if token_ids is None
+            else [_integer(t, "a token id") for t in as_int_list(token_ids)]
+        )
         if ids is not None and len(ids) != n_tokens:
             raise ValueError("token_ids must hold n_tokens ids")
         bs = self.block_size
@@ -628,6 +730,8 @@ class KVBlockPool:
             self._deferred_blocks += added
             self._deferred_requests += 1
             self._deferred_since[req_id] = time.monotonic_ns()
+            for tracker in self._trackers:
+                tracker.add(req_id)
             self._publish()
             return True
         del self._requests[req_id]
@@ -658,6 +762,8 @@ class KVBlockPool:
         self._deferred_blocks -= removed
         self._deferred_requests -= 1
         del self._deferred_since[req_id]
+        for tracker in self._trackers:
+            tracker.discard(req_id)
         del self._requests[req_id]
         self._unref(reversed(req.table))
         self._maybe_finish_shrink()
@@ -670,7 +776,7 @@ class KVBlockPool:
         The blocks stay allocated until `release_lease`, even after the request is freed;
         they are not counted as deferred. Returns the lease id.
         """
-        ids = as_int_list(block_ids)
+        ids = self._block_ids(block_ids)
         owned = set(self._requests[req_id].table)
         for b in ids:
             if b not in owned:
@@ -680,13 +786,28 @@ class KVBlockPool:
             refcount[b] += 1
         lease_id = self._next_lease
         self._next_lease += 1
-        self._leases[lease_id] = list(ids)
+        self._leases[lease_id] = ids
         return lease_id
 
     def release_lease(self, lease_id: int) -> None:
         self._unref(self._leases.pop(lease_id))
         self._maybe_finish_shrink()
         self._publish()
+
+    # ------------------------------------------------------------------ deferral tracking
+
+    def track_deferred(self, tracker: DeferredRequests) -> None:
+        """Report deferred request ids to tracker (the agent's distinct count across pools)."""
+        if tracker not in self._trackers:
+            self._trackers.append(tracker)
+            for req_id in self._deferred_since:
+                tracker.add(req_id)
+
+    def untrack_deferred(self, tracker: DeferredRequests) -> None:
+        if tracker in self._trackers:
+            self._trackers.remove(tracker)
+            for req_id in self._deferred_since:
+                tracker.discard(req_id)
 
     # ------------------------------------------------------------------ queries
 

@@ -43,6 +43,7 @@ def build(name: str, dp: int, pools: int, step: int, engine: str = "fake") -> Sn
             requests_running=4 + dp,
             requests_waiting=dp,
             requests_deferred_free=dp + 3,
+            requests_deferred_free_distinct=dp + 3,
             device_total_bytes=8 << 30,
             device_free_bytes=2 << 30,
         ),

@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from kvsidecar import __version__
 from kvsidecar.daemon import metric_defs as md
 from kvsidecar.daemon.targets import STATES, TargetView
-from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot
+from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 
 
 def rank_labels(view: TargetView) -> list[str]:
@@ -125,22 +125,30 @@ class SnapshotCollector:
         yield fill
 
     def _dp_sums(self, up: list[TargetView]) -> Iterator[Metric]:
-        requests: dict[tuple[str, str, str], int] = {}
-        blocks: dict[tuple[str, str, str], int] = {}
+        # Grouped per engine instance (schema v1.3 runtime.instance, "" before): two
+        # engines that share engine/model/role are not one engine's DP ranks.
+        groups: dict[tuple[str, str, str, str], list[Snapshot]] = {}
         for view in up:
-            r = view.last.snapshot.runtime  # type: ignore[union-attr]
+            snap = view.last.snapshot  # type: ignore[union-attr]
+            r = snap.runtime
             if r.tp_rank != 0 or r.pp_rank != 0:
                 continue  # one scheduler per DP rank: TP/PP peers hold the same blocks
-            key = (r.engine, r.model_name, r.role)
-            requests[key] = requests.get(key, 0) + r.requests_deferred_free
-            pools = view.last.snapshot.pools  # type: ignore[union-attr]
-            blocks[key] = blocks.get(key, 0) + sum(p.deferred_free_blocks or 0 for p in pools)
+            key = (r.engine, r.model_name, r.role, r.instance or "")
+            groups.setdefault(key, []).append(snap)
         req_m, blk_m = md.DP
         req = GaugeMetricFamily(req_m.name, req_m.help, labels=md.DP_LABELS)
         blk = GaugeMetricFamily(blk_m.name, blk_m.help, labels=md.DP_LABELS)
-        for key in sorted(requests):
-            req.add_metric(list(key), requests[key])
-            blk.add_metric(list(key), blocks[key])
+        for key in sorted(groups):
+            snaps = groups[key]
+            ranks = {s.runtime.dp_rank for s in snaps}
+            if len(ranks) != len(snaps):
+                continue  # a dp_rank twice: two instances we cannot tell apart; no sum
+            requests = [s.runtime.requests_deferred_free_distinct for s in snaps]
+            if None not in requests:  # unsupported anywhere: no series, never a partial sum
+                req.add_metric(list(key), sum(requests))  # type: ignore[arg-type]
+            blocks = [_deferred_blocks(s.pools) for s in snaps]
+            if None not in blocks:
+                blk.add_metric(list(key), sum(blocks))  # type: ignore[arg-type]
         yield req
         yield blk
 
@@ -159,6 +167,7 @@ class SnapshotCollector:
         retries = fam("kvsidecar_source_read_retries_total")
         decode = fam("kvsidecar_source_decode_errors_total")
         errors = fam("kvsidecar_source_read_errors_total", ("kind",))
+        publish_errors = fam("kvsidecar_source_publish_errors_total")
         generation = fam("kvsidecar_source_generation")
         seq = fam("kvsidecar_source_last_sequence")
         for view in views:
@@ -171,12 +180,15 @@ class SnapshotCollector:
                 age.add_metric(labels, a)
                 generation.add_metric(labels, view.last.generation)  # type: ignore[union-attr]
                 seq.add_metric(labels, view.last.seq)  # type: ignore[union-attr]
+                # From the header at the last read, independent of the payload.
+                publish_errors.add_metric(labels, view.last.publish_errors_total)  # type: ignore[union-attr]
             restarts.add_metric(labels, view.writer_restarts_total)
             retries.add_metric(labels, view.read_retries_total)
             decode.add_metric(labels, view.decode_errors_total)
             for kind, n in sorted(view.read_errors_total.items()):
                 errors.add_metric([*labels, kind], n)
-        yield from (up, state, age, restarts, retries, decode, errors, generation, seq)
+        yield from (up, state, age, restarts, retries, decode, errors, publish_errors)
+        yield from (generation, seq)
 
     def _daemon(self, views: list[TargetView]) -> Iterator[Metric]:
         defs = {m.name: m for m in md.DAEMON}
@@ -199,6 +211,18 @@ class SnapshotCollector:
             yield refused
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
+
+
+def _deferred_blocks(pools: list[KVCachePoolSnapshot]) -> int | None:
+    """Deferred blocks of one rank, None unless every pool reports them (and there is one)."""
+    if not pools:
+        return None
+    total = 0
+    for p in pools:
+        if p.deferred_free_blocks is None:
+            return None
+        total += p.deferred_free_blocks
+    return total
 
 
 def _derived(p: KVCachePoolSnapshot, labels: list[str], usage, tokens, fill) -> None:

@@ -14,7 +14,9 @@ GAUGE, COUNTER, INFO, HISTOGRAM = "gauge", "counter", "info", "histogram"
 
 RANK_LABELS = ("segment", "engine", "model_name", "role", "dp_rank", "tp_rank", "pp_rank")
 POOL_LABELS = (*RANK_LABELS, "pool", "group")
-DP_LABELS = ("engine", "model_name", "role")
+# engine_instance: runtime.instance (schema v1.3), "" from older writers. Not "instance",
+# which Prometheus itself sets to the scrape target.
+DP_LABELS = ("engine", "model_name", "role", "engine_instance")
 
 
 @dataclass(frozen=True)
@@ -57,9 +59,11 @@ RUNTIME: tuple[MetricDef, ...] = (
         "kvsidecar_requests_deferred_free",
         GAUGE,
         "requests",
-        "Finished or aborted requests still holding KV until every connector releases "
-        "them (P/D prefill: decode has not pulled yet), on this rank.",
-        "requests_deferred_free",
+        "Distinct finished or aborted requests still holding KV until every connector "
+        "releases them (P/D prefill: decode has not pulled yet), on this rank; a request "
+        "deferred in several pools counts once. No series when the writer cannot tell "
+        "(no pool supports deferral; writers before schema v1.3).",
+        "requests_deferred_free_distinct",
         anchor="atom:requests_deferred_free (per rank)",
     ),
     MetricDef(
@@ -474,8 +478,10 @@ DP: tuple[MetricDef, ...] = (
         "kvsidecar_dp_requests_deferred_free",
         GAUGE,
         "requests",
-        "requests_deferred_free summed over the DP ranks of one engine (tp_rank=0, "
-        "pp_rank=0 targets: one scheduler per DP rank). Up targets only.",
+        "Distinct deferred requests summed over the DP ranks of one engine instance "
+        "(tp_rank=0, pp_rank=0 targets: one scheduler per DP rank; label engine_instance). "
+        "Up targets only; no series if a rank cannot tell, or if two up targets claim the "
+        "same dp_rank (two engines that look alike are never added).",
         anchor="atom:requests_deferred_free (summed across DP ranks)",
     ),
     MetricDef(
@@ -483,7 +489,8 @@ DP: tuple[MetricDef, ...] = (
         GAUGE,
         _B,
         "deferred_free_blocks of every pool summed over the DP ranks of one engine "
-        "(tp_rank=0, pp_rank=0 targets). Up targets only.",
+        "instance (tp_rank=0, pp_rank=0 targets). Up targets only; no series if a pool "
+        "does not support deferral or two up targets claim the same dp_rank.",
         anchor="atom:kv_cache_blocks_deferred_free (summed across DP ranks)",
     ),
 )
@@ -532,6 +539,15 @@ SOURCE: tuple[MetricDef, ...] = (
         COUNTER,
         "errors",
         "Failed reads by kind (label kind).",
+    ),
+    MetricDef(
+        "kvsidecar_source_publish_errors_total",
+        COUNTER,
+        "errors",
+        "Publishes the agent counted as failed, read from the segment header (layout "
+        "v1.1), so it moves even when no snapshot gets through; the reason is in the "
+        "target's error and the engine log. Exported once a snapshot was read; before "
+        'that a failing agent shows as read_errors_total{kind="publish_failing"}.',
     ),
     MetricDef(
         "kvsidecar_source_generation",

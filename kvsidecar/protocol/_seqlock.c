@@ -74,6 +74,9 @@
 #define OFF_SLOT_STRIDE 196
 #define OFF_SLOT_CAPACITY 200
 #define SLOT_HEADER_LEN 16 /* u64 slot_seq, u32 payload_len, u32 payload_crc32 */
+#define OFF_PUBLISH_ERRORS 208 /* layout v1.1: outside the payload, see layout.py */
+#define OFF_LAST_PUBLISH_ERROR 216
+#define OFF_LAST_PUBLISH_ERROR_MONO 224
 
 enum {
     ST_OK = 0,
@@ -307,6 +310,41 @@ LATCH_FN int latch_read(const uint8_t *base, uint32_t off, uint32_t stride, uint
 }
 
 #ifndef KVSIDECAR_LATCH_ONLY
+
+/* record_error(segment, code): count a failed publish in the header (not the payload),
+ * so a reader sees it even when no snapshot could ever be published. Failure path only. */
+static PyObject *py_record_error(PyObject *self, PyObject *args) {
+    Py_buffer seg;
+    unsigned int code;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*I", &seg, &code)) return NULL;
+    if (seg.len < 256) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "segment too small");
+        return NULL;
+    }
+    uint8_t *base = seg.buf;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        return NULL;
+    }
+    guard_set(&jb);
+    /* Aligned single stores: a reader never sees a torn counter. One writer thread, so a
+     * relaxed load + store is an increment. */
+    uint64_t *n = (uint64_t *)(base + OFF_PUBLISH_ERRORS);
+    __atomic_store_n(n, __atomic_load_n(n, __ATOMIC_RELAXED) + 1, __ATOMIC_RELAXED);
+    __atomic_store_n((uint32_t *)(base + OFF_LAST_PUBLISH_ERROR), (uint32_t)code,
+                     __ATOMIC_RELAXED);
+    __atomic_store_n((uint64_t *)(base + OFF_LAST_PUBLISH_ERROR_MONO), now_ns(CLOCK_MONOTONIC),
+                     __ATOMIC_RELAXED);
+    guard_clear();
+    PyBuffer_Release(&seg);
+    Py_RETURN_NONE;
+}
+
 /* ---------------------------- Python wrappers ---------------------------- */
 
 static PyObject *py_publish(PyObject *self, PyObject *args) {
@@ -487,6 +525,8 @@ static PyMethodDef methods[] = {
     {"publish", py_publish, METH_VARARGS,
      "publish(segment, payload) -> seq: write payload into the next slot and publish it."},
     {"heartbeat", py_heartbeat, METH_O, "heartbeat(segment): store both heartbeat clocks."},
+    {"record_error", py_record_error, METH_VARARGS,
+     "record_error(segment, code): count a failed publish in the header."},
     {"read_latest", (PyCFunction)(void (*)(void))py_read_latest, METH_FASTCALL,
      "read_latest(segment, retries=8, fd=-1) -> (status, seq, header, payload, attempts)."},
     {"copy_range", py_copy_range, METH_VARARGS,
@@ -523,6 +563,9 @@ PyMODINIT_FUNC PyInit__seqlock(void) {
     PyModule_AddIntConstant(m, "OFF_SLOT_STRIDE", OFF_SLOT_STRIDE);
     PyModule_AddIntConstant(m, "OFF_SLOT_CAPACITY", OFF_SLOT_CAPACITY);
     PyModule_AddIntConstant(m, "SLOT_HEADER_LEN", SLOT_HEADER_LEN);
+    PyModule_AddIntConstant(m, "OFF_PUBLISH_ERRORS", OFF_PUBLISH_ERRORS);
+    PyModule_AddIntConstant(m, "OFF_LAST_PUBLISH_ERROR", OFF_LAST_PUBLISH_ERROR);
+    PyModule_AddIntConstant(m, "OFF_LAST_PUBLISH_ERROR_MONO", OFF_LAST_PUBLISH_ERROR_MONO);
     return m;
 }
 #endif /* KVSIDECAR_LATCH_ONLY */

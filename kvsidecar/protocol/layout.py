@@ -29,7 +29,11 @@ All integers little-endian. Offsets are from the start of the file.
     196  u32 slot_stride   bytes from slot 0 to slot 1 (multiple of 64)
     200  u32 slot_capacity max payload bytes per slot
     204  u32 dir_crc32     CRC-32 (zlib) of the directory bytes
-    208..255 reserved, zero
+    208  u64 publish_errors_total   v1.1: failed publishes (payload-independent)
+    216  u32 last_publish_error     v1.1: code of the last failure (PUBLISH_ERRORS)
+    220  u32 reserved
+    224  u64 last_publish_error_mono_ns  v1.1: CLOCK_MONOTONIC of the last failure
+    232..255 reserved, zero
 
     256      directory: dir_len bytes, padded to 64
     slot_off slot 0: u64 slot_seq | u32 payload_len | u32 payload_crc32 | payload ...
@@ -47,7 +51,10 @@ from kvsidecar.protocol import _seqlock
 
 MAGIC = b"KVSCSEG1"
 LAYOUT_MAJOR = 1
-LAYOUT_MINOR = 0
+# 1: publish-error fields at 208..231, liveness by an OFD write lock (a v1.0 writer only
+# holds flock, which a reader can also take, so readers still flock-probe minor 0).
+LAYOUT_MINOR = 1
+MINOR_OFD_LIVENESS = 1
 HEADER_LEN = 256
 PAGE = 4096
 CACHE_LINE = 64
@@ -74,6 +81,26 @@ OFF_SLOT_OFF = 192
 OFF_SLOT_STRIDE = 196
 OFF_SLOT_CAPACITY = 200
 OFF_DIR_CRC = 204
+OFF_PUBLISH_ERRORS = 208
+OFF_LAST_PUBLISH_ERROR = 216
+OFF_LAST_PUBLISH_ERROR_MONO = 224
+
+# Codes of last_publish_error. Written by the writer outside the payload, so a reader
+# learns why publishing fails even when no snapshot was ever published.
+PUBLISH_OK = 0
+PUBLISH_ERR_ENCODE = 1  # a value the encoder cannot write (wrong type, int out of range)
+PUBLISH_ERR_TOO_LARGE = 2  # the payload does not fit a slot (too many pools)
+PUBLISH_ERR_POOL_SOURCE = 3  # a registered pool's snapshot() raised
+PUBLISH_ERR_ARGUMENT = 4  # a step() argument is not a number
+PUBLISH_ERR_OTHER = 5
+PUBLISH_ERRORS = {
+    PUBLISH_OK: "none",
+    PUBLISH_ERR_ENCODE: "encode",
+    PUBLISH_ERR_TOO_LARGE: "too_large",
+    PUBLISH_ERR_POOL_SOURCE: "pool_source",
+    PUBLISH_ERR_ARGUMENT: "bad_argument",
+    PUBLISH_ERR_OTHER: "other",
+}
 
 SLOT_HEADER_LEN = 16  # u64 slot_seq, u32 payload_len, u32 payload_crc32
 
@@ -93,10 +120,14 @@ assert _seqlock.OFF_SLOT_OFF == OFF_SLOT_OFF
 assert _seqlock.OFF_SLOT_STRIDE == OFF_SLOT_STRIDE
 assert _seqlock.OFF_SLOT_CAPACITY == OFF_SLOT_CAPACITY
 assert _seqlock.SLOT_HEADER_LEN == SLOT_HEADER_LEN
+assert _seqlock.OFF_PUBLISH_ERRORS == OFF_PUBLISH_ERRORS
+assert _seqlock.OFF_LAST_PUBLISH_ERROR == OFF_LAST_PUBLISH_ERROR
+assert _seqlock.OFF_LAST_PUBLISH_ERROR_MONO == OFF_LAST_PUBLISH_ERROR_MONO
 
 # Static part of the header, 0..64 (published_seq and heartbeats are written separately).
 _STATIC = struct.Struct("<8sHHHBBQQQIIQII")
 _SLOTS = struct.Struct("<IIII")  # slot_off, slot_stride, slot_capacity, dir_crc32
+_ERRORS = struct.Struct("<QI4xQ")  # publish_errors_total, last_publish_error, its mono ns
 assert _STATIC.size == 64
 
 
@@ -124,10 +155,13 @@ class Header:
         "heartbeat_mono_ns",
         "heartbeat_wall_ns",
         "incarnation",
+        "last_publish_error",
+        "last_publish_error_mono_ns",
         "magic",
         "major",
         "minor",
         "n_slots",
+        "publish_errors_total",
         "published_seq",
         "slot_capacity",
         "slot_off",
@@ -163,6 +197,12 @@ class Header:
         self.slot_off, self.slot_stride, self.slot_capacity, self.dir_crc = _SLOTS.unpack_from(
             raw, OFF_SLOT_OFF
         )
+        # Zero in a v1.0 header (reserved bytes), so no minor check is needed.
+        (
+            self.publish_errors_total,
+            self.last_publish_error,
+            self.last_publish_error_mono_ns,
+        ) = _ERRORS.unpack_from(raw, OFF_PUBLISH_ERRORS)
 
 
 def pack_header(

@@ -1,8 +1,14 @@
 """Segment names and paths.
 
-A segment is a file directly inside the shm directory (``/dev/shm`` by
-default, a Kubernetes ``emptyDir`` elsewhere). Names are validated on both
+A segment is a file directly inside the shm directory (``/dev/shm/kvsidecar``
+by default, a Kubernetes ``emptyDir`` elsewhere). Names are validated on both
 sides so a name can never walk out of that directory or hide as a dot-file.
+
+The default directory is private rather than ``/dev/shm`` itself: ``/dev/shm``
+is world-writable, so any local user could pre-create a segment's name there.
+The agent creates ``/dev/shm/kvsidecar`` (mode 0750: the engine's user writes,
+its group, the daemon's, reads) and refuses it when another user owns it.
+This constant is the one source of the default for writers and readers alike.
 """
 
 from __future__ import annotations
@@ -10,7 +16,10 @@ from __future__ import annotations
 import os
 import re
 
-DEFAULT_SHM_DIR = "/dev/shm"
+DEFAULT_SHM_DIR = "/dev/shm/kvsidecar"
+# Mode the agent gives the default directory when it creates it (group: the engine's, or
+# KVSIDECAR_GROUP): others can neither list it nor create names in it.
+DEFAULT_SHM_DIR_MODE = 0o750
 DEFAULT_PREFIX = "kvsidecar."
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.:@+-]{0,200}")
 

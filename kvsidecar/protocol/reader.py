@@ -13,7 +13,6 @@ message is one line naming the problem and the fix.
 from __future__ import annotations
 
 import errno
-import fcntl
 import mmap
 import os
 import stat
@@ -22,7 +21,7 @@ import time
 
 import msgspec
 
-from kvsidecar.protocol import _seqlock, layout
+from kvsidecar.protocol import _seqlock, layout, liveness
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR, InvalidName, segment_path
 from kvsidecar.protocol.schema import (
     SCHEMA_MAJOR,
@@ -48,6 +47,18 @@ class NotReady(ReadError):
     """The writer has not published a snapshot yet, or the file is still being made."""
 
     kind = "not_ready"
+
+
+class PublishFailing(NotReady):
+    """Nothing published yet, and the header counts failed publishes: the agent is broken,
+    not idle. ``publish_errors_total`` and ``last_publish_error`` (a name) say how."""
+
+    kind = "publish_failing"
+
+    def __init__(self, message: str, publish_errors_total: int, last_publish_error: str) -> None:
+        super().__init__(message)
+        self.publish_errors_total = publish_errors_total
+        self.last_publish_error = last_publish_error
 
 
 class Corrupt(ReadError):
@@ -114,6 +125,11 @@ class Reading(msgspec.Struct, frozen=True):
     writer_pid: int
     attempts: int
     state: int
+    # Layout v1.1 header (0 from a v1.0 writer): publishes that failed, the last one's
+    # reason (layout.PUBLISH_ERRORS) and CLOCK_MONOTONIC time. Independent of the payload.
+    publish_errors_total: int = 0
+    last_publish_error: str = "none"
+    last_publish_error_mono_ns: int = 0
 
     def age_seconds(self, now_mono_ns: int | None = None) -> float:
         now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
@@ -221,10 +237,25 @@ class SegmentReader:
         except OSError as e:
             return Gone(f"segment {self.name}: {e.strerror}")
         if status != _seqlock.OK:
+            if status == _seqlock.NOT_PUBLISHED and raw is not None:
+                failing = _publish_failing(layout.Header(raw), self.path)
+                if failing is not None:
+                    return failing
             return _status_error(status, self.path, attempts)
-        magic, major, state, incarnation, generation, pid, start_wall, hb_mono, hb_wall = (
-            _READ_FIELDS.unpack_from(raw)
-        )
+        (
+            magic,
+            major,
+            state,
+            incarnation,
+            generation,
+            pid,
+            start_wall,
+            hb_mono,
+            hb_wall,
+            errors,
+            last_error,
+            last_error_mono,
+        ) = _READ_FIELDS.unpack_from(raw)
         if magic != layout.MAGIC or major != layout.LAYOUT_MAJOR:
             # Overwritten after we attached: re-run the attach checks for the message.
             return check_header(layout.Header(raw), len(mm), self.path) or Corrupt(
@@ -245,22 +276,24 @@ class SegmentReader:
             writer_pid=pid,
             attempts=attempts,
             state=state,
+            publish_errors_total=errors,
+            last_publish_error=_error_name(last_error),
+            last_publish_error_mono_ns=last_error_mono,
         )
 
     # -- liveness ----------------------------------------------------------------
 
     def writer_alive(self) -> bool:
-        """flock probe: the writer holds LOCK_EX for its life, so LOCK_SH fails while it lives."""
+        """Lock probe: a v1.1 writer holds an OFD write lock for its life, which no reader
+        can take (so none can fake a live writer); a v1.0 writer only holds flock."""
         if self.fd < 0:
             return False
         try:
-            fcntl.flock(self.fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-        except BlockingIOError:
-            return True
+            if self.header is not None and self.header.minor < layout.MINOR_OFD_LIVENESS:
+                return liveness.flock_held(self.fd)
+            return liveness.write_locked(self.fd)
         except OSError:
             return False
-        fcntl.flock(self.fd, fcntl.LOCK_UN)
-        return False
 
     def replaced(self) -> bool:
         """True if the name now points to another file (restart) or to nothing (unlinked)."""
@@ -310,6 +343,9 @@ _READ_FIELDS = _fields_struct(
         (layout.OFF_START_WALL_NS, "Q"),
         (layout.OFF_HEARTBEAT_MONO, "Q"),
         (layout.OFF_HEARTBEAT_WALL, "Q"),
+        (layout.OFF_PUBLISH_ERRORS, "Q"),
+        (layout.OFF_LAST_PUBLISH_ERROR, "I"),
+        (layout.OFF_LAST_PUBLISH_ERROR_MONO, "Q"),
     ]
 )
 
@@ -363,6 +399,22 @@ def _read_directory(
             f"v{SCHEMA_MAJOR}.x: upgrade kvsidecar on the daemon side"
         )
     return caps, None
+
+
+def _error_name(code: int) -> str:
+    return layout.PUBLISH_ERRORS.get(code, f"code_{code}")
+
+
+def _publish_failing(header: layout.Header, path: str) -> PublishFailing | None:
+    if header.publish_errors_total == 0:
+        return None
+    why = _error_name(header.last_publish_error)
+    return PublishFailing(
+        f"segment {path} has no snapshot yet: the agent counted "
+        f"{header.publish_errors_total} failed publishes (last: {why}); see the engine's log",
+        header.publish_errors_total,
+        why,
+    )
 
 
 def _status_error(status: int, path: str, attempts: int) -> ReadError:

@@ -30,8 +30,10 @@ from typing import Any
 import msgspec
 
 SCHEMA_MAJOR = 1
-SCHEMA_MINOR = 2  # 1.1: token-unit prefix counters, oldest deferral, kvcached pages;
-# 1.2: virtual_blocks, protected_blocks (virtual_* = the reservation, as in kvcached)
+# 1.1: token-unit prefix counters, oldest deferral, kvcached pages; 1.2: virtual_blocks,
+# protected_blocks (virtual_* = the reservation, as in kvcached); 1.3: runtime instance and
+# distinct deferred requests
+SCHEMA_MINOR = 3
 SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 ROLES = ("prefill", "decode", "both")
@@ -64,6 +66,15 @@ class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # Agent self-metrics: errors while publishing, and how long the previous publish took.
     publish_errors_total: int = 0
     last_publish_duration_ns: int = 0
+    # -- v1.3 ------------------------------------------------------------------
+    # Id shared by every rank of one engine instance (its DP ranks): readers sum across
+    # DP ranks only within one instance, never across two engines that look alike.
+    instance: str | None = None
+    # Distinct requests deferred on this rank (one request deferring in several pools
+    # counts once); None when this writer cannot tell (no pool supports deferral, or
+    # several pools report counts without request ids). requests_deferred_free above keeps
+    # its v1.0 meaning (0 when unsupported) for older readers.
+    requests_deferred_free_distinct: int | None = None
 
 
 class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):

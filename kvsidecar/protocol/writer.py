@@ -4,17 +4,25 @@ Creation is careful and may fail with a clear `SegmentError`; publishing is
 one msgspec ``encode_into`` a preallocated buffer plus one C call (no system
 call, no lock, no allocation beyond the encoder's).
 
-Creation, in order (so no reader ever sees a half-made segment):
+Creation, in order (so no reader ever sees a half-made segment, and of two writers
+starting under one name exactly one wins):
 
-1. open ``.<name>.<pid>.<rand>.tmp`` with ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode
+1. open the shm directory without following a symlink; the default one
+   (`names.DEFAULT_SHM_DIR`) is created 0750 and refused if another user owns it;
+2. open ``.<name>.<pid>.<rand>.tmp`` with ``O_CREAT|O_EXCL|O_NOFOLLOW``, mode
    0640 (``fchmod`` after, so the umask cannot widen or narrow it), optional
    group;
-2. ``ftruncate`` + ``posix_fallocate``: tmpfs pages are allocated now, so a full
+3. ``ftruncate`` + ``posix_fallocate``: tmpfs pages are allocated now, so a full
    /dev/shm is an error here and never a SIGBUS in the engine later;
-3. write the directory, then the header, then the magic last;
-4. take ``flock(LOCK_EX)`` for the writer's life (liveness across PID
-   namespaces: a reader's ``LOCK_SH|LOCK_NB`` probe fails while we live);
-5. ``rename`` onto the final name, replacing a dead predecessor atomically.
+4. write the directory, then the header, then the magic last;
+5. take the liveness locks for the writer's life: an OFD write lock (layout
+   v1.1; a read-only reader cannot take one) and ``flock(LOCK_EX)`` for v1.0
+   readers;
+6. under the name's install lock (``.<name>.lock``, 0600, held for microseconds):
+   refuse a name owned by another user (squatting), a symlink, or a live writer;
+   else ``rename`` onto the name, replacing a dead predecessor atomically. Two
+   writers racing are serialized by that lock, so the second finds the first
+   alive and gets `SegmentBusyError`.
 """
 
 from __future__ import annotations
@@ -23,16 +31,24 @@ import errno
 import fcntl
 import grp
 import mmap
+import operator
 import os
+import pwd
 import secrets
 import stat
+import struct
 import time
 import weakref
 
 import msgspec
 
-from kvsidecar.protocol import _seqlock, layout
-from kvsidecar.protocol.names import DEFAULT_SHM_DIR, segment_path, validate_name
+from kvsidecar.protocol import _seqlock, layout, liveness
+from kvsidecar.protocol.names import (
+    DEFAULT_SHM_DIR,
+    DEFAULT_SHM_DIR_MODE,
+    segment_path,
+    validate_name,
+)
 from kvsidecar.protocol.schema import Capabilities, Snapshot, current_capabilities
 
 DEFAULT_MODE = 0o640
@@ -47,7 +63,31 @@ class ShmFullError(SegmentError):
 
 
 class SegmentBusyError(SegmentError):
-    """A live writer already owns this segment name."""
+    """A live writer already owns this segment name (or is starting under it right now)."""
+
+
+class SegmentSquattedError(SegmentError):
+    """The name (or the default directory) belongs to another user: refused, not replaced."""
+
+
+# The install lock is held for microseconds by a starting or closing writer of our own
+# uid; wait this long for it, never forever (the engine must start).
+_INSTALL_LOCK_WAIT_S = 2.0
+_GENERATION = struct.Struct("<Q")
+
+
+def _enc_hook(obj: object) -> object:
+    # numpy / torch scalars in a record: msgspec calls this only for types it does not
+    # know, so the usual path pays nothing. .item() gives the matching Python scalar.
+    item = getattr(obj, "item", None)
+    if item is not None:
+        value = item()
+        if isinstance(value, (int, float, bool)):
+            return value
+    try:
+        return operator.index(obj)
+    except TypeError:
+        raise NotImplementedError(f"cannot encode {type(obj).__name__}") from None
 
 
 class SegmentWriter:
@@ -71,9 +111,10 @@ class SegmentWriter:
         self.generation = 1
         self._pid = os.getpid()
         self._fd = -1
+        self._dir_fd = -1
         self._mm: mmap.mmap | None = None
         self._closed = False
-        self._encoder = msgspec.msgpack.Encoder()
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
         self._buf = bytearray(slot_capacity)
         self._publish = _seqlock.publish
         caps = capabilities or current_capabilities()
@@ -98,22 +139,22 @@ class SegmentWriter:
         total: int,
         group: str | int | None,
     ) -> None:
-        if not os.path.isdir(self.shm_dir):
-            raise SegmentError(
-                f"shm directory {self.shm_dir} does not exist: create it or set "
-                "KVSIDECAR_SHM_DIR to a tmpfs directory"
-            )
-        self.generation = self._predecessor_generation() + 1
-        tmp = os.path.join(self.shm_dir, f".{self.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        gid = None
+        if group is not None:
+            try:
+                gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
+            except KeyError:
+                raise SegmentError(f"group {group!r} does not exist: fix KVSIDECAR_GROUP") from None
+        self._dir_fd = dir_fd = _open_dir(self.shm_dir, gid)
+        tmp = f".{self.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
         try:
-            fd = os.open(tmp, flags, self.mode)
+            fd = os.open(tmp, flags, self.mode, dir_fd=dir_fd)
         except OSError as e:
             raise SegmentError(f"cannot create segment in {self.shm_dir}: {e.strerror}") from e
         try:
             os.fchmod(fd, self.mode)
-            if group is not None:
-                gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
+            if gid is not None:
                 os.fchown(fd, -1, gid)
             os.ftruncate(fd, total)
             _preallocate(fd, total, self.shm_dir)
@@ -125,7 +166,7 @@ class SegmentWriter:
                 state=layout.STATE_READY,
                 total_size=total,
                 incarnation=self.incarnation,
-                generation=self.generation,
+                generation=self.generation,  # final value set under the install lock
                 writer_pid=os.getpid() & 0xFFFFFFFF,
                 writer_uid=os.getuid() & 0xFFFFFFFF,
                 start_wall_ns=time.time_ns(),
@@ -140,56 +181,147 @@ class SegmentWriter:
             _seqlock.heartbeat(mm)
             _seqlock.fence_release()  # everything above before the magic
             mm[0:8] = layout.MAGIC
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-            os.rename(tmp, self.path)
+            liveness.lock_for_life(fd)  # our own new inode: nobody else can hold a lock yet
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # for layout v1.0 readers
+            self._install(tmp, fd, mm)
         except BaseException:
             os.close(fd)
             try:
-                os.unlink(tmp)
+                os.unlink(tmp, dir_fd=dir_fd)
             except OSError:
                 pass
             raise
         self._fd = fd
         self._mm = mm
 
-    def _predecessor_generation(self) -> int:
-        """Generation of a dead segment we are about to replace; refuse a live one."""
+    def _install(self, tmp: str, fd: int, mm: mmap.mmap) -> None:
+        """Rename tmp onto the name unless another user, a symlink or a live writer has it."""
+        lock = self._install_lock()
         try:
-            fd = os.open(self.path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+            self.generation = self._predecessor_generation() + 1
+            _GENERATION.pack_into(mm, layout.OFF_GENERATION, self.generation)
+            _seqlock.fence_release()
+            os.rename(tmp, self.name, src_dir_fd=self._dir_fd, dst_dir_fd=self._dir_fd)
+        finally:
+            self._install_unlock(lock)
+
+    def _install_lock(self) -> int:
+        """Take ``.<name>.lock``: serializes writers installing or removing this name.
+
+        0600, so no reader or other user can open (let alone hold) it. Unlinked by whoever
+        releases it, so a holder re-checks that the path still names its inode.
+        """
+        path = f".{self.name}.lock"
+        full = os.path.join(self.shm_dir, path)
+        deadline = time.monotonic() + _INSTALL_LOCK_WAIT_S
+        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        while True:
+            try:
+                lfd = os.open(path, flags, 0o600, dir_fd=self._dir_fd)
+            except OSError as e:
+                _raise_foreign(full, self._dir_fd, path, e)
+            st = os.fstat(lfd)
+            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+                os.close(lfd)
+                raise _squatted(full, st.st_uid)
+            try:
+                liveness.lock_for_life(lfd)
+            except BlockingIOError:
+                os.close(lfd)
+                if time.monotonic() > deadline:
+                    raise SegmentBusyError(
+                        f"segment {self.name}: another writer holds {full} (starting or "
+                        "closing under this name): give this rank a distinct name or retry"
+                    ) from None
+                time.sleep(0.001)
+                continue
+            try:
+                same = os.stat(path, dir_fd=self._dir_fd, follow_symlinks=False).st_ino == st.st_ino
+            except FileNotFoundError:
+                same = False
+            if same:
+                return lfd
+            os.close(lfd)  # released and unlinked while we waited: take the new one
+
+    def _install_unlock(self, lfd: int) -> None:
+        try:
+            os.unlink(f".{self.name}.lock", dir_fd=self._dir_fd)
+        except OSError:
+            pass
+        os.close(lfd)
+
+    def _predecessor_generation(self) -> int:
+        """Generation of a dead segment we are about to replace; refuse anything else."""
+        try:
+            st = os.stat(self.name, dir_fd=self._dir_fd, follow_symlinks=False)
+        except FileNotFoundError:
+            return 0
+        if stat.S_ISLNK(st.st_mode):
+            raise SegmentError(f"{self.path} is a symlink: refusing to replace it; remove it first")
+        if not stat.S_ISREG(st.st_mode):
+            raise SegmentError(f"{self.path} exists and is not a regular file: remove it first")
+        if st.st_uid != os.geteuid():
+            raise _squatted(self.path, st.st_uid)
+        flags = os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+        try:
+            fd = os.open(self.name, flags, dir_fd=self._dir_fd)
         except FileNotFoundError:
             return 0
         except OSError as e:
-            if e.errno == errno.ELOOP:
-                raise SegmentError(
-                    f"{self.path} is a symlink: refusing to replace it; remove it first"
-                ) from e
-            return 0
+            raise SegmentError(f"cannot open {self.path} to check it: {e.strerror}") from e
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
-                raise SegmentError(f"{self.path} exists and is not a regular file: remove it first")
-            try:
-                fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
-            except BlockingIOError:
+            raw = os.pread(fd, layout.HEADER_LEN, 0)
+            header = None
+            if len(raw) == layout.HEADER_LEN and raw[:8] == layout.MAGIC:
+                header = layout.Header(raw)
+            # A read lock (all a reader can take) is not a writer; flock only for a v1.0
+            # writer, which has no OFD lock (and whose flock a reader could also hold).
+            live = liveness.write_locked(fd) or (
+                header is not None
+                and header.minor < layout.MINOR_OFD_LIVENESS
+                and liveness.flock_held(fd)
+            )
+            if live:
                 raise SegmentBusyError(
                     f"segment {self.name} is owned by a live writer: give this rank a "
                     "distinct name (engine/rank) or stop the other process"
-                ) from None
-            raw = os.pread(fd, layout.HEADER_LEN, 0)
-            if len(raw) == layout.HEADER_LEN and raw[:8] == layout.MAGIC:
-                return layout.Header(raw).generation
-            return 0
+                )
+            return header.generation if header is not None else 0
         finally:
             os.close(fd)
 
     # -- hot path ---------------------------------------------------------------
 
     def publish(self, snapshot: Snapshot) -> int:
-        """Encode and publish one snapshot; returns its sequence number (0 if closed)."""
+        """Encode and publish one snapshot; returns its sequence number (0 if closed).
+
+        A failure is counted in the header (`record_error`) and re-raised.
+        """
         mm = self._mm
         if mm is None:
             return 0
-        self._encoder.encode_into(snapshot, self._buf)
-        return self._publish(mm, self._buf)
+        try:  # zero-cost in CPython 3.11+ until something raises
+            self._encoder.encode_into(snapshot, self._buf)
+        except Exception:
+            self.record_error(layout.PUBLISH_ERR_ENCODE)
+            raise
+        try:
+            return self._publish(mm, self._buf)
+        except ValueError:  # the payload does not fit a slot
+            self.record_error(layout.PUBLISH_ERR_TOO_LARGE)
+            raise
+
+    def record_error(self, code: int) -> None:
+        """Count a failed publish in the header (publish_errors_total, last code and time).
+
+        Outside the payload, so a reader sees it even if nothing was ever published. Never
+        raises (a truncated segment is the publish's own error to report).
+        """
+        if self._mm is not None:
+            try:
+                _seqlock.record_error(self._mm, code)
+            except (OSError, ValueError):
+                pass
 
     def publish_bytes(self, payload: bytes | bytearray | memoryview) -> int:
         mm = self._mm
@@ -212,6 +344,7 @@ class SegmentWriter:
         mm, fd = self._mm, self._fd
         self._mm, self._fd = None, -1
         if mm is None:
+            self._close_dir()
             return
         try:
             if os.fstat(fd).st_size >= layout.HEADER_LEN:  # never touch truncated pages
@@ -220,12 +353,26 @@ class SegmentWriter:
             pass
         if unlink and os.getpid() == self._pid:
             try:
-                if os.stat(self.path, follow_symlinks=False).st_ino == os.fstat(fd).st_ino:
-                    os.unlink(self.path)
+                lock = self._install_lock()  # so a starting successor never loses its file
+            except (OSError, SegmentError):
+                lock = -1
+            try:
+                own = os.fstat(fd).st_ino
+                st = os.stat(self.name, dir_fd=self._dir_fd, follow_symlinks=False)
+                if st.st_ino == own:
+                    os.unlink(self.name, dir_fd=self._dir_fd)
             except OSError:
                 pass
+            if lock >= 0:
+                self._install_unlock(lock)
         mm.close()
         os.close(fd)
+        self._close_dir()
+
+    def _close_dir(self) -> None:
+        if self._dir_fd >= 0:
+            os.close(self._dir_fd)
+            self._dir_fd = -1
 
     def _forget_in_child(self) -> None:
         # A forked child shares our open file description: keeping it open would
@@ -236,6 +383,7 @@ class SegmentWriter:
         if self._fd >= 0:
             os.close(self._fd)
         self._mm, self._fd = None, -1
+        self._close_dir()
 
     def __enter__(self) -> SegmentWriter:
         return self
@@ -254,6 +402,89 @@ def _after_fork(ref: weakref.ref[SegmentWriter]) -> None:
     writer = ref()
     if writer is not None:
         writer._forget_in_child()
+
+
+def _user(uid: int) -> str:
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return "no passwd entry"
+
+
+def _squatted(path: str, uid: int) -> SegmentSquattedError:
+    return SegmentSquattedError(
+        f"{path} belongs to uid {uid} ({_user(uid)}), not to this engine's uid "
+        f"{os.geteuid()}: another local user may be squatting it; remove it (as root or "
+        f"that user) or set KVSIDECAR_SHM_DIR to a directory only you can write "
+        f"(the default {DEFAULT_SHM_DIR} is created {DEFAULT_SHM_DIR_MODE:o})"
+    )
+
+
+def _raise_foreign(full: str, dir_fd: int, path: str, e: OSError) -> None:
+    """Turn an open() failure on one of our names into a one-line error naming the cause."""
+    try:
+        st = os.stat(path, dir_fd=dir_fd, follow_symlinks=False)
+    except OSError:
+        st = None
+    if st is not None and st.st_uid != os.geteuid():
+        raise _squatted(full, st.st_uid) from e
+    if e.errno == errno.ELOOP:
+        raise SegmentError(f"{full} is a symlink: refusing to follow it; remove it") from e
+    raise SegmentError(f"cannot open {full}: {e.strerror}") from e
+
+
+def _open_dir(shm_dir: str, gid: int | None) -> int:
+    """Open the shm directory (never through a symlink); create the default one privately.
+
+    The default directory must belong to us or root: /dev/shm is world-writable, so
+    anyone could otherwise create /dev/shm/kvsidecar first and own every name in it.
+    """
+    default = os.path.abspath(shm_dir) == DEFAULT_SHM_DIR
+    created = False
+    if default:
+        try:
+            os.mkdir(shm_dir, DEFAULT_SHM_DIR_MODE)
+            created = True
+        except FileExistsError:
+            pass
+        except FileNotFoundError:
+            raise SegmentError(
+                f"{os.path.dirname(shm_dir)} does not exist: mount a tmpfs there or set "
+                "KVSIDECAR_SHM_DIR to a tmpfs directory"
+            ) from None
+        except OSError as e:
+            raise SegmentError(
+                f"cannot create {shm_dir}: {e.strerror}; set KVSIDECAR_SHM_DIR to a tmpfs "
+                "directory you can write"
+            ) from e
+    try:
+        dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise SegmentError(
+            f"shm directory {shm_dir} does not exist: create it or set "
+            "KVSIDECAR_SHM_DIR to a tmpfs directory"
+        ) from None
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):
+            raise SegmentError(
+                f"shm directory {shm_dir} is a symlink or not a directory: refused (another "
+                "user may have planted it); remove it or set KVSIDECAR_SHM_DIR"
+            ) from e
+        raise SegmentError(f"cannot open shm directory {shm_dir}: {e.strerror}") from e
+    try:
+        st = os.fstat(dir_fd)
+        if default and st.st_uid not in (os.geteuid(), 0):
+            raise _squatted(shm_dir, st.st_uid)
+        if created:
+            # Exactly 0750 whatever the umask; keep a setgid bit inherited from the parent
+            # (Kubernetes fsGroup volumes), so segments get the volume's group.
+            os.fchmod(dir_fd, DEFAULT_SHM_DIR_MODE | (st.st_mode & stat.S_ISGID))
+            if gid is not None:
+                os.fchown(dir_fd, -1, gid)
+    except BaseException:
+        os.close(dir_fd)
+        raise
+    return dir_fd
 
 
 def _preallocate(fd: int, size: int, shm_dir: str) -> None:

@@ -29,6 +29,7 @@ from hypothesis.stateful import (
 
 from kvsidecar.agent.pool import KVBlockPool, convert_table, hash_block_tokens
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
+from tests.agent.test_pool_validation import same, state
 
 MAX_EXAMPLES = int(os.environ.get("KVSIDECAR_ORACLE_EXAMPLES", "2000"))  # >= 2000 in CI
 STEPS = 30
@@ -413,6 +414,80 @@ class PoolMachine(RuleBasedStateMachine):
             m.rows = max(m.rows, new + 1)
             m.total, m.in_shrink, m.target = new, False, 0
             m.evict_to_capacity()
+
+    # -------------------------------------------------------------- invalid input
+    # Issue #12 item 16: every refused call leaves the pool exactly as it was (snapshot and
+    # allocator state), so the model (untouched) still matches at the next invariant.
+
+    def _refused(self, call) -> None:
+        before = state(self.pool)
+        try:
+            call()
+        except (ValueError, TypeError, KeyError):
+            pass
+        else:
+            raise AssertionError("invalid input was accepted")
+        assert same(state(self.pool), before), "a refused call changed the pool"
+
+    @rule(
+        i=st.integers(0, 99),
+        bad=st.sampled_from(["negative", "null", "beyond", "request", "twice", "float"]),
+    )
+    def invalid_free(self, i, bad):
+        m = self.m
+        valid = list(m.raws[i % len(m.raws)]) if m.raws else []
+        held = [b for q in m.reqs.values() for b in q.table] + [
+            b for ids in m.leases.values() for b in ids
+        ]
+        extra = {
+            "negative": [-1 - i % m.rows],  # wrapped to another holder's block before
+            "null": [0],
+            "beyond": [m.rows + i],
+            "request": [held[i % len(held)]] if held else [0],  # not alloc_blocks' to free
+            "twice": valid[:1] or [0],  # listed more often than alloc_blocks handed it out
+            "float": [1.5],
+        }[bad]
+        self._refused(lambda: self.pool.free_blocks(valid + extra))
+
+    @rule(which=st.integers(0, 5), x=st.sampled_from([-1, 1.5, "2", None]))
+    def invalid_count(self, which, x):
+        pool, live = self.pool, self._live()
+        if which == 4 and x == -1:
+            x = 0.5  # release_reserved(-1) is valid ("up to n"): use a non-integer instead
+        calls = [
+            lambda: pool.alloc_blocks(x),
+            lambda: pool.try_to_reserve(x),
+            lambda: pool.resize(x),
+            lambda: pool.append_slots(live[0], x) if live else pool.alloc_blocks(x),
+            lambda: pool.release_reserved(x),
+            lambda: pool.append_slots(live[-1], 2, [1]) if live else pool.resize(x),
+        ]
+        self._refused(calls[which])
+
+    @rule(i=st.integers(0, 99), kind=st.sampled_from(["negative", "beyond", "foreign"]))
+    def invalid_lease(self, i, kind):
+        m = self.m
+        tabled = [r for r, q in m.reqs.items() if q.table]
+        if not tabled:
+            self._refused(lambda: self.pool.lease("no-such-request", [1]))
+            return
+        rid = tabled[i % len(tabled)]
+        mine = m.reqs[rid].table
+        others = [b for r, q in m.reqs.items() if r != rid for b in q.table if b not in mine]
+        bad = {"negative": -1 - i % m.rows, "beyond": m.rows + i}.get(kind)
+        if bad is None:
+            bad = others[i % len(others)] if others else 0
+        self._refused(lambda: self.pool.lease(rid, [mine[0], bad]))
+
+    @rule(i=st.integers(0, 99))
+    def invalid_release(self, i):
+        live, deferred = self._live(), self._deferred()
+        if deferred and i % 3 == 0:
+            self._refused(lambda: self.pool.release(deferred[0], "no-such-connector"))
+        elif live and i % 3 == 1:
+            self._refused(lambda: self.pool.release(live[0], "pd"))  # not deferred
+        else:
+            self._refused(lambda: self.pool.finish("no-such-request"))
 
     # -------------------------------------------------------------- the oracle
 

@@ -18,7 +18,11 @@ from .scrape import samples, value
 def _view(name: str, pools: list[KVCachePoolSnapshot], state: str = UP, dp: int = 0) -> TargetView:
     snap = Snapshot(
         runtime=RuntimeSnapshot(
-            engine="e", model_name='m"x\\y\nz', dp_rank=dp, requests_deferred_free=dp + 1
+            engine="e",
+            model_name='m"x\\y\nz',
+            dp_rank=dp,
+            requests_deferred_free=dp + 1,
+            requests_deferred_free_distinct=dp + 1,
         ),
         pools=pools,
     )
@@ -52,7 +56,8 @@ def test_unsupported_fields_have_no_series() -> None:
         "kvsidecar_kv_pool_shrink_target_blocks",
     ):
         assert value(text, name, segment="s") is None, name
-    assert value(text, "kvsidecar_dp_kv_blocks_deferred_free", engine="e") == 0
+    # No pool supports deferral: unsupported, so no DP sum either (not a fake 0).
+    assert value(text, "kvsidecar_dp_kv_blocks_deferred_free", engine="e") is None
 
 
 def test_not_up_targets_export_health_only() -> None:

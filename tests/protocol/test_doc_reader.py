@@ -12,6 +12,7 @@ import zlib
 import msgspec
 import pytest
 
+from kvsidecar.protocol.names import DEFAULT_SHM_DIR
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.conftest import REPO
 
@@ -219,7 +220,7 @@ def test_documented_example_reader_runs(shm_dir: str, monkeypatch: pytest.Monkey
         w.publish(sample_snapshot(77))
         out = io.StringIO()
         with redirect_stdout(out):
-            exec(code.replace("/dev/shm/", shm_dir + "/"), {})
+            exec(code.replace(DEFAULT_SHM_DIR + "/", shm_dir + "/"), {})
     assert "'step': 77" in out.getvalue(), out.getvalue()
 
 

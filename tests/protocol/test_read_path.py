@@ -25,6 +25,7 @@ def test_read_fields_match_layout_header(shm_dir: str) -> None:
             h = layout.Header(raw)
             expected = (h.magic, h.major, h.state, h.incarnation, h.generation, h.writer_pid)
             expected += (h.start_wall_ns, h.heartbeat_mono_ns, h.heartbeat_wall_ns)
+            expected += (h.publish_errors_total, h.last_publish_error, h.last_publish_error_mono_ns)
             assert _READ_FIELDS.unpack_from(raw) == expected
             r = reader.read()
             assert isinstance(r, Reading) and r.snapshot == sample_snapshot(7)
