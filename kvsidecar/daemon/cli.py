@@ -105,6 +105,46 @@ DEFAULT_LISTEN = ":9400"
     help="/-/ready answers 503 until at least one segment is up.",
 )
 @click.option(
+    "--max-targets",
+    type=click.IntRange(1),
+    default=256,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_TARGETS",
+    help="Most segments followed at once; further files are refused and counted.",
+)
+@click.option(
+    "--max-pools-per-rank",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_POOLS_PER_RANK",
+    help="A segment with more pools is refused (checked before decoding them).",
+)
+@click.option(
+    "--max-label-length",
+    type=click.IntRange(16),
+    default=256,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_LABEL_LENGTH",
+    help="A segment with a longer label value (model_name, pool_name, ...) is refused.",
+)
+@click.option(
+    "--max-series-per-target",
+    type=click.IntRange(64),
+    default=4096,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_SERIES_PER_TARGET",
+    help="A segment that would export more series is refused.",
+)
+@click.option(
+    "--max-payload-bytes",
+    type=click.IntRange(4096),
+    default=1024 * 1024,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_PAYLOAD_BYTES",
+    help="A segment whose slot is bigger is refused before any payload is read.",
+)
+@click.option(
     "--log-level",
     type=click.Choice(["debug", "info", "warning", "error"]),
     default="info",
@@ -125,10 +165,16 @@ def serve(
     allow_uids: tuple[int, ...],
     allow_any_uid: bool,
     ready_requires_source: bool,
+    max_targets: int,
+    max_pools_per_rank: int,
+    max_label_length: int,
+    max_series_per_target: int,
+    max_payload_bytes: int,
     log_level: str,
 ) -> None:
     """Serve every segment's snapshots: Prometheus /metrics, JSON and health endpoints."""
     from kvsidecar.daemon.app import Daemon
+    from kvsidecar.daemon.budget import Budget
     from kvsidecar.daemon.http import HTTPStats, WebServer
     from kvsidecar.daemon.targets import TargetSet
     from kvsidecar.daemon.webconfig import WebConfigError, load_web_config
@@ -162,6 +208,14 @@ def serve(
         poll_interval=poll_interval,
         rediscover_interval=rediscover_interval,
         allowed_uids=allowed,
+        budget=Budget(
+            max_payload_bytes=max_payload_bytes,
+            max_pools_per_rank=max_pools_per_rank,
+            max_label_length=max_label_length,
+            max_series_per_target=max_series_per_target,
+        ),
+        max_targets=max_targets,
+        confirm_after=rediscover_interval,
     )
     stats = HTTPStats()
     daemon = Daemon(targets, http_stats=stats, ready_requires_source=ready_requires_source)
