@@ -88,11 +88,16 @@ def fleet(ranks: int = 8, pools: int = 4, hz: float = 100.0) -> Iterator[dict[st
 
 
 def start_daemon(
-    shm_dir: str, *args: str, wait_for_source: bool = True, timeout: float = 30.0
+    shm_dir: str,
+    *args: str,
+    wait_for_source: bool = True,
+    timeout: float = 30.0,
+    **popen: Any,
 ) -> tuple[subprocess.Popen, str]:
     """Start ``kvsidecar serve`` on a free loopback port; return it and its base URL once
     it serves a scrape with at least one source (or, without ``wait_for_source``, once
-    ``/-/healthy`` answers). stderr is inherited: an unread pipe could fill and block it."""
+    ``/-/healthy`` answers). stderr is inherited (an unread pipe could fill and block it)
+    unless ``popen`` says otherwise (e.g. ``stderr=file``, ``user=uid``)."""
     port = free_port()
     daemon = subprocess.Popen(
         [
@@ -109,6 +114,7 @@ def start_daemon(
             *args,
         ],
         stdout=subprocess.DEVNULL,
+        **popen,
     )
     url = f"http://127.0.0.1:{port}"
     path, marker = ("/metrics", b"kvsidecar_source_up{") if wait_for_source else ("/-/healthy", b"")

@@ -84,7 +84,10 @@ class Daemon:
     def snapshots_json(self) -> bytes:
         self.targets.refresh_if_older(self.targets.poll_interval)
         now = time.monotonic_ns()
-        return _JSON.encode({"targets": [view_record(v, now) for v in self.targets.views()]})
+        records = [view_record(v, now) for v in self.targets.views()]
+        return _JSON.encode(
+            {"targets": records, "discovery_error": self.targets.discovery_error or None}
+        )
 
     def ready(self) -> tuple[bool, str]:
         if self.targets.polls_total == 0:

@@ -544,7 +544,7 @@ SOURCE: tuple[MetricDef, ...] = (
         GAUGE,
         "pools",
         "Pools of the last snapshot whose (pool_name, group_id) repeats an earlier pool's; "
-        "they are exported as pool=\"<name>#<n>\" (n = 2, 3, ... in payload order), so no "
+        'they are exported as pool="<name>#<n>" (n = 2, 3, ... in payload order), so no '
         "series is ever duplicated.",
     ),
 )

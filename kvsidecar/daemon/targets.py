@@ -296,7 +296,7 @@ class TargetSet:
         self.last_poll_duration_s = 0.0
         self.polls_total = 0
         self._last_discovery = 0.0
-        self._dir_key: tuple[int, int, int] | None = None
+        self._dir_key: tuple[int, int, int, int] | None = None
         self._last_scan = float("-inf")
         self._pending: dict[str, int] = {}  # refusals since the last summary line
         self._pending_example = ""
@@ -340,7 +340,8 @@ class TargetSet:
         self._last_discovery = now
         try:
             st = os.stat(self.shm_dir)
-            dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns)
+            # ctime too: a chmod (an unreadable directory) must be seen at once.
+            dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
             recheck = now - self._last_scan >= self.recheck_interval
             if dir_key == self._dir_key and not recheck:
                 self._discovery_ok()
@@ -351,7 +352,7 @@ class TargetSet:
             self._discovery_failed(e, now)
             return  # keep every known target: a listing error is not "no segments"
         self._discovery_ok()
-        settled = time.time_ns() - st.st_mtime_ns > _MTIME_SETTLE_NS
+        settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _MTIME_SETTLE_NS
         self._dir_key = dir_key if settled else None
         self._last_scan = now
         self._rescan(listed, recheck)
@@ -365,16 +366,15 @@ class TargetSet:
             self.targets.pop(name).close()
         for name in [n for n in self._refused if n not in listed]:
             del self._refused[name]
-        if len(self.targets) < self.max_targets:  # slots free: look at capped files again
-            for name in [n for n, r in self._refused.items() if r.reason == "max_targets"]:
-                del self._refused[name]
         for name in sorted(found - self.targets.keys(), key=lambda n: (n not in explicit, n)):
             self._consider(name, listed.get(name, 0), name in explicit, recheck)
 
     def _consider(self, name: str, ino: int, explicit: bool, recheck: bool) -> None:
         entry = self._refused.get(name)
+        room = len(self.targets) < self.max_targets
         if entry is not None and entry.ino == ino and not recheck:
-            return  # the same refused file as before: not even a stat
+            if entry.reason != "max_targets" or not room:
+                return  # the same refused file as before: not even a stat
         key = 0
         if not explicit:
             try:
@@ -386,9 +386,9 @@ class TargetSet:
                 st = None
             if st is not None:
                 key = hash((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
-                if entry is not None and entry.key == key:
+                if entry is not None and entry.key == key and entry.reason != "max_targets":
                     entry.ino = ino
-                    return
+                    return  # unchanged since it was refused
                 reason = self._classify(st)
                 if reason is not None:
                     self._refuse(name, reason, ino, key)
@@ -421,6 +421,7 @@ class TargetSet:
                 return
         if view.state != NOT_READY:
             log.info("%s: found, %s %s", name, view.state, view.error)
+        self._refused.pop(name, None)
         self.targets[name] = target
 
     def _classify(self, st: os.stat_result) -> str | None:
@@ -441,9 +442,13 @@ class TargetSet:
         key: int = 0,
         message: str | None = None,
     ) -> None:
-        """Count a refusal; with ino, remember the file so it is not looked at again."""
+        """Count a refusal; with ino, remember the file so it is not looked at again.
+        A file refused again for the same reason (same inode) is not counted again."""
+        old = self._refused.get(name)
         if ino is not None:
             self._refused[name] = _Refused(ino, key, reason, message)
+            if old is not None and old.ino == ino and old.reason == reason:
+                return
         self.refusals_total = _bump(self.refusals_total, reason)
         self._pending[reason] = self._pending.get(reason, 0) + 1
         if not self._pending_example:
