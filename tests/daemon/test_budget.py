@@ -13,7 +13,6 @@ import tracemalloc
 import msgspec
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
-from kvsidecar.daemon.budget import BoundedSnapshotDecoder, Budget, OverBudget, series_estimate
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import render_text
 from kvsidecar.daemon.targets import REFUSED, UP, TargetSet
@@ -24,6 +23,9 @@ from tests.procs import start_daemon, wait_for
 from tests.protocol_helpers import sample_snapshot
 
 from .scrape import fetch, samples, value
+
+# Imported inside the tests that need them, so the end-to-end test also runs (and fails)
+# against a daemon that predates budgets.
 
 GOOD = "kvsidecar.good.dp0.tp0.pp0"
 EVIL = "kvsidecar.evil.dp0.tp0.pp0"
@@ -47,8 +49,11 @@ def test_pool_flood_is_refused_and_other_targets_are_served(shm_dir: str) -> Non
     assert len(payload) < 16 * 1024  # fits the agent's default slot
     good = fork_writer(GOOD, shm_dir)
     evil = fork_raw_writer(EVIL, shm_dir, payload)
-    daemon, url = start_daemon(shm_dir, "--poll-interval", "0.05", "--rediscover-interval", "0.05")
+    daemon = None
     try:
+        daemon, url = start_daemon(
+            shm_dir, "--poll-interval", "0.05", "--rediscover-interval", "0.05"
+        )
         refused = lambda: (  # noqa: E731
             value(fetch(url + "/metrics")[2], "kvsidecar_source_state", segment=EVIL, state=REFUSED)
             == 1
@@ -71,13 +76,16 @@ def test_pool_flood_is_refused_and_other_targets_are_served(shm_dir: str) -> Non
         # Generous: the figure itself (~30 MB) is measured by `kvsidecar bench hostile`.
         assert peak_rss_bytes(daemon.pid) < 128 * 1024 * 1024
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(10)
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(10)
         stop(good)
         stop(evil)
 
 
 def test_bounded_decoder_builds_no_pool_records() -> None:
+    from kvsidecar.daemon.budget import BoundedSnapshotDecoder, OverBudget
+
     payload = pool_flood(60_000)
     decoder = BoundedSnapshotDecoder(64)
     tracemalloc.start()
@@ -96,13 +104,15 @@ def test_bounded_decoder_builds_no_pool_records() -> None:
     assert len(BoundedSnapshotDecoder(60_000).decode(payload).pools) == 60_000
 
 
-def _one_target(shm_dir: str, budget: Budget) -> TargetSet:
+def _one_target(shm_dir: str, budget) -> TargetSet:
     ts = TargetSet(shm_dir, prefix="kvsidecar.", budget=budget)
     ts.poll_all()
     return ts
 
 
 def test_long_label_value_is_refused_and_last_good_labels_kept(shm_dir: str) -> None:
+    from kvsidecar.daemon.budget import Budget
+
     w = SegmentWriter(EVIL, shm_dir=shm_dir)
     other = SegmentWriter(GOOD, shm_dir=shm_dir)
     try:
@@ -134,6 +144,8 @@ def test_long_label_value_is_refused_and_last_good_labels_kept(shm_dir: str) -> 
 
 
 def test_series_budget_is_an_upper_bound_of_what_is_exported(shm_dir: str) -> None:
+    from kvsidecar.daemon.budget import Budget, series_estimate
+
     snap = sample_snapshot(1)
     n = series_estimate(snap)
     w = SegmentWriter(EVIL, shm_dir=shm_dir)
@@ -152,6 +164,8 @@ def test_series_budget_is_an_upper_bound_of_what_is_exported(shm_dir: str) -> No
 
 
 def test_oversized_slot_is_refused_before_any_payload_is_read(shm_dir: str) -> None:
+    from kvsidecar.daemon.budget import Budget
+
     snap = sample_snapshot(1)
     pid = fork_raw_writer(
         EVIL, shm_dir, msgspec.msgpack.encode(snap), slot_capacity=2 * 1024 * 1024
@@ -171,8 +185,9 @@ def test_oversized_slot_is_refused_before_any_payload_is_read(shm_dir: str) -> N
 def test_budget_flags_have_environment_twins(shm_dir: str) -> None:
     pid = fork_writer(GOOD, shm_dir)  # 4 pools
     env = {**os.environ, "KVSIDECAR_MAX_POOLS_PER_RANK": "2"}
-    daemon, url = start_daemon(shm_dir, "--poll-interval", "0.05", env=env)
+    daemon = None
     try:
+        daemon, url = start_daemon(shm_dir, "--poll-interval", "0.05", env=env)
         assert wait_for(
             lambda: (
                 (
@@ -188,6 +203,7 @@ def test_budget_flags_have_environment_twins(shm_dir: str) -> None:
             )
         )
     finally:
-        daemon.kill()
-        daemon.wait()
+        if daemon is not None:
+            daemon.kill()
+            daemon.wait()
         stop(pid)

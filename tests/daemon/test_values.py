@@ -21,7 +21,6 @@ from prometheus_client.openmetrics.parser import text_string_to_metric_families 
 from prometheus_client.parser import text_string_to_metric_families as text_parse
 
 from kvsidecar.daemon.app import Daemon
-from kvsidecar.daemon.budget import INT_LIMIT
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
@@ -31,6 +30,7 @@ from tests.procs import start_daemon, wait_for
 from .scrape import fetch, value
 
 NAME = "kvsidecar.buggy.dp0.tp0.pp0"
+INT_LIMIT = 2**63
 OM = "application/openmetrics-text; version=1.0.0"
 
 # msgpack carries ints in [-2^63, 2^64); every one of them must be safe to serve.
@@ -145,8 +145,9 @@ BAD = Snapshot(
 
 def test_buggy_writer_is_served_validated_by_a_real_daemon(shm_dir: str) -> None:
     pid = fork_raw_writer(NAME, shm_dir, msgspec.msgpack.encode(BAD))
-    daemon, url = start_daemon(shm_dir, "--poll-interval", "0.05")
+    daemon = None
     try:
+        daemon, url = start_daemon(shm_dir, "--poll-interval", "0.05")
         assert wait_for(
             lambda: value(fetch(url + "/metrics")[2], "kvsidecar_source_up", segment=NAME) == 1
         )
@@ -177,6 +178,7 @@ def test_buggy_writer_is_served_validated_by_a_real_daemon(shm_dir: str) -> None
             )
             assert r.returncode == 0, r.stdout + r.stderr
     finally:
-        daemon.kill()
-        daemon.wait()
+        if daemon is not None:
+            daemon.kill()
+            daemon.wait()
         stop(pid)
