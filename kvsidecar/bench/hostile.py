@@ -287,6 +287,7 @@ def churn_scenario(quick: bool) -> dict[str, Any]:
         shutil.rmtree(shm_dir, ignore_errors=True)
 
 
+# Another local user's churn: 50 short-lived kvsidecar.* files alive at a time.
 CHURN = r"""
 import os, sys, time
 shm_dir, seconds, uid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
@@ -294,10 +295,13 @@ if uid >= 0:
     os.setgid(uid); os.setuid(uid)
 deadline, i = time.monotonic() + seconds, 0
 while time.monotonic() < deadline:
-    path = os.path.join(shm_dir, f"kvsidecar.t{i}")
-    os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
-    os.unlink(path)
+    # 50 files alive at a time, each for about a millisecond.
+    os.close(os.open(os.path.join(shm_dir, f"kvsidecar.t{i}"), os.O_CREAT | os.O_WRONLY, 0o644))
+    if i >= 50:
+        os.unlink(os.path.join(shm_dir, f"kvsidecar.t{i - 50}"))
     i += 1
+for j in range(max(0, i - 50), i):
+    os.unlink(os.path.join(shm_dir, f"kvsidecar.t{j}"))
 print(i)
 """
 

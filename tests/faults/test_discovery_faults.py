@@ -19,6 +19,7 @@ import time
 import pytest
 
 from kvsidecar.bench.fleet import proc_stat
+from kvsidecar.bench.hostile import CHURN
 from tests.daemon.scrape import fetch, samples, value
 from tests.procs import start_daemon, wait_for
 
@@ -61,24 +62,6 @@ def _shutdown(daemon: subprocess.Popen | None) -> None:
     except subprocess.TimeoutExpired:
         daemon.kill()
         daemon.wait()
-
-
-CHURN = r"""
-import os, sys, time
-shm_dir, seconds, uid = sys.argv[1], float(sys.argv[2]), int(sys.argv[3])
-if uid >= 0:
-    os.setgid(uid); os.setuid(uid)
-deadline, i = time.monotonic() + seconds, 0
-while time.monotonic() < deadline:
-    # 50 files alive at a time, each for about a millisecond.
-    os.close(os.open(os.path.join(shm_dir, f"kvsidecar.t{i}"), os.O_CREAT | os.O_WRONLY, 0o644))
-    if i >= 50:
-        os.unlink(os.path.join(shm_dir, f"kvsidecar.t{i - 50}"))
-    i += 1
-for j in range(max(0, i - 50), i):
-    os.unlink(os.path.join(shm_dir, f"kvsidecar.t{j}"))
-print(i)
-"""
 
 
 def test_transient_files_mint_no_series(shm_dir: str, logfile: str) -> None:
