@@ -49,8 +49,9 @@ REFUSAL_REASONS = (
 )
 DEFAULT_MAX_TARGETS = 256
 SUMMARY_INTERVAL = 60.0  # seconds between two refusal-summary / discovery-error log lines
-# An unchanged directory is still rescanned (refused files re-lstat'ed) this often.
-RECHECK_INTERVAL = 10.0
+# While the directory is unchanged, this many refused files are re-lstat'ed per scan (a
+# file edited or chowned in place is noticed within a few scans, at a bounded cost).
+RECHECK_PER_SCAN = 4096
 _MTIME_SETTLE_NS = 2_000_000_000  # tmpfs mtimes are coarse: trust one only once it is this old
 # Reader refusals that are the daemon's own shortage, not the file's fault: retry, never cache.
 _TRANSIENT = {
@@ -269,7 +270,7 @@ class TargetSet:
         max_targets: int = DEFAULT_MAX_TARGETS,
         confirm_after: float = 0.0,
         summary_interval: float = SUMMARY_INTERVAL,
-        recheck_interval: float = RECHECK_INTERVAL,
+        recheck_per_scan: int = RECHECK_PER_SCAN,
     ) -> None:
         self.shm_dir = shm_dir
         self.prefix = prefix
@@ -285,7 +286,8 @@ class TargetSet:
         # vanishes within a scan interval never mints a series.
         self.confirm_after = confirm_after
         self.summary_interval = summary_interval
-        self.recheck_interval = recheck_interval
+        self.recheck_per_scan = recheck_per_scan
+        self._recheck_queue: list[str] = []
         self.targets: dict[str, Target] = {}
         self._refused: dict[str, _Refused] = {}
         self.refusals_total: dict[str, int] = {}  # by reason: each refused file counted once
@@ -297,7 +299,6 @@ class TargetSet:
         self.polls_total = 0
         self._last_discovery = 0.0
         self._dir_key: tuple[int, int, int, int] | None = None
-        self._last_scan = float("-inf")
         self._pending: dict[str, int] = {}  # refusals since the last summary line
         self._pending_example = ""
         self._last_summary = float("-inf")
@@ -342,11 +343,12 @@ class TargetSet:
             st = os.stat(self.shm_dir)
             # ctime too: a chmod (an unreadable directory) must be seen at once.
             dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-            recheck = now - self._last_scan >= self.recheck_interval
-            if dir_key == self._dir_key and not recheck:
+            if dir_key == self._dir_key:
+                # Nothing was added, removed or renamed since the last scan.
                 self._discovery_ok()
+                self._recheck_some()
                 self._flush_summary(now)
-                return  # nothing was added, removed or renamed since the last scan
+                return
             listed = scan_segments(self.shm_dir, self.prefix, self.pattern)
         except OSError as e:
             self._discovery_failed(e, now)
@@ -354,31 +356,60 @@ class TargetSet:
         self._discovery_ok()
         settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _MTIME_SETTLE_NS
         self._dir_key = dir_key if settled else None
-        self._last_scan = now
-        self._rescan(listed, recheck)
+        self._rescan(listed)
         self._flush_summary(now)
 
-    def _rescan(self, listed: dict[str, int], recheck: bool) -> None:
+    def _recheck_some(self) -> None:
+        """Re-lstat the next slice of refused files; look again at those that changed."""
+        queue = self._recheck_queue
+        if not queue:
+            queue = self._recheck_queue = [
+                n for n, r in self._refused.items() if r.reason != "max_targets"
+            ]
+        batch = queue[-self.recheck_per_scan :]
+        del queue[-self.recheck_per_scan :]
+        explicit = set(self.explicit)
+        for name in batch:
+            entry = self._refused.get(name)
+            if entry is None:
+                continue
+            try:
+                st = os.lstat(self.shm_dir + "/" + name)
+            except OSError:
+                continue  # gone: the directory changed, the next scan sees it
+            key = hash((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
+            if key != entry.key:
+                self._consider(name, entry.ino, name in explicit)
+
+    def _rescan(self, listed: dict[str, int]) -> None:
         explicit = set(self.explicit)
         found = explicit | listed.keys()
         for name in sorted(self.targets.keys() - found):
             log.info("%s: gone, forgetting it", name)
             self.targets.pop(name).close()
-        for name in [n for n in self._refused if n not in listed]:
-            del self._refused[name]
-        for name in sorted(found - self.targets.keys(), key=lambda n: (n not in explicit, n)):
-            self._consider(name, listed.get(name, 0), name in explicit, recheck)
-
-    def _consider(self, name: str, ino: int, explicit: bool, recheck: bool) -> None:
-        entry = self._refused.get(name)
+        refused = self._refused
+        for name in [n for n in refused if n not in listed]:
+            del refused[name]
         room = len(self.targets) < self.max_targets
-        if entry is not None and entry.ino == ino and not recheck:
-            if entry.reason != "max_targets" or not room:
-                return  # the same refused file as before: not even a stat
+        new = []
+        for name in found - self.targets.keys():
+            entry = refused.get(name)
+            # The same refused file as before costs nothing (the inode comes from readdir).
+            if (
+                entry is None
+                or entry.ino != listed.get(name, 0)
+                or (room and entry.reason == "max_targets")
+            ):
+                new.append(name)
+        for name in sorted(new, key=lambda n: (n not in explicit, n)):
+            self._consider(name, listed.get(name, 0), name in explicit)
+
+    def _consider(self, name: str, ino: int, explicit: bool) -> None:
+        entry = self._refused.get(name)
         key = 0
         if not explicit:
             try:
-                st = os.lstat(os.path.join(self.shm_dir, name))
+                st = os.lstat(self.shm_dir + "/" + name)
             except FileNotFoundError:
                 self._refuse(name, "vanished")
                 return
