@@ -207,3 +207,21 @@ def test_budget_flags_have_environment_twins(shm_dir: str) -> None:
             daemon.kill()
             daemon.wait()
         stop(pid)
+
+
+def test_huge_directory_is_refused_before_it_is_decoded(shm_dir: str) -> None:
+    """The directory is decoded at attach: 100,000 field names would build 100,000
+    objects (a 16 MiB segment could carry 16 million); it is refused as corrupt."""
+    from kvsidecar.protocol.schema import Capabilities, current_capabilities
+
+    caps = current_capabilities()
+    huge = Capabilities(**{**msgspec.structs.asdict(caps), "pool_fields": [""] * 100_000})
+    w = SegmentWriter(EVIL, shm_dir=shm_dir, capabilities=huge)
+    try:
+        w.publish(sample_snapshot(1))
+        ts = TargetSet(shm_dir, prefix="kvsidecar.")
+        ts.poll_all()
+        view = ts.targets[EVIL].view
+        assert view.state == "corrupt" and "directory of" in view.error, view.error
+    finally:
+        w.close()
