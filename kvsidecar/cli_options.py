@@ -85,7 +85,12 @@ def allowed_uids(allow_uids: Iterable[int], allow_any_uid: bool) -> frozenset[in
 
 def require_dir(shm_dir: str) -> None:
     """Exit with a usage error naming the option when the segment directory is missing
-    (otherwise the command would report 'no segments', which sends you looking elsewhere)."""
+    (otherwise the command would report 'no segments', which sends you looking elsewhere).
+
+    The default directory is the exception: the agent creates it (private, 0750) when the
+    first engine starts, so its absence means "no segment yet", not a wrong option."""
+    if shm_dir == DEFAULT_SHM_DIR and not os.path.lexists(shm_dir):
+        return
     if not os.path.isdir(shm_dir):
         what = "does not exist" if not os.path.exists(shm_dir) else "is not a directory"
         click.echo(

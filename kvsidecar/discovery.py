@@ -8,27 +8,36 @@ import os
 from kvsidecar.protocol.names import InvalidName, validate_name
 
 
-def list_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) -> list[str]:
-    """Names in shm_dir that could be segments (valid names with the prefix/glob), sorted.
+def scan_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) -> dict[str, int]:
+    """{name: inode} of the entries in shm_dir that could be segments (valid names with
+    the prefix/glob). Raises OSError if the directory cannot be listed: "cannot look"
+    must never read as "no segments" (that would forget every live target).
 
     Dot-files are skipped, so writers' temporary ``.<name>.tmp`` files are never
-    picked up half-made. Symlinks, FIFOs and the like are listed too: the reader
-    refuses them (``O_NOFOLLOW``, ``S_ISREG``) with a message instead of the daemon
-    ignoring them silently.
+    picked up half-made. Symlinks, FIFOs and the like are listed too: the caller
+    refuses them with a reason instead of ignoring them silently. The inode comes
+    from readdir (no stat), so a caller can tell a replaced file from an unchanged one
+    for free.
     """
+    out: dict[str, int] = {}
+    with os.scandir(shm_dir) as entries:
+        for entry in entries:
+            name = entry.name
+            if name.startswith(".") or not name.startswith(prefix):
+                continue
+            if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
+                continue
+            try:
+                validate_name(name)
+            except InvalidName:
+                continue
+            out[name] = entry.inode()
+    return out
+
+
+def list_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) -> list[str]:
+    """Sorted names of `scan_segments`; [] if the directory cannot be listed."""
     try:
-        names = os.listdir(shm_dir)
+        return sorted(scan_segments(shm_dir, prefix, pattern))
     except OSError:
         return []
-    out = []
-    for name in names:
-        if name.startswith(".") or not name.startswith(prefix):
-            continue
-        if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
-            continue
-        try:
-            validate_name(name)
-        except InvalidName:
-            continue
-        out.append(name)
-    return sorted(out)

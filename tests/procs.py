@@ -78,6 +78,6 @@ def start_rank(
     return proc, int(line.split()[1])
 
 
-def start_daemon(shm_dir: str, *extra: str) -> tuple[subprocess.Popen, str]:
+def start_daemon(shm_dir: str, *extra: str, **popen) -> tuple[subprocess.Popen, str]:
     """Start `kvsidecar serve` as a real process; returns it and its base URL once healthy."""
-    return fleet.start_daemon(shm_dir, *extra, wait_for_source=False)
+    return fleet.start_daemon(shm_dir, *extra, wait_for_source=False, **popen)

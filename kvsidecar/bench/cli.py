@@ -124,6 +124,45 @@ def scrape_cmd(quick: bool, out: str) -> None:
     report.write_json(out, "scrape", r)
 
 
+@bench.command(name="hostile")
+@quick_option
+@out_option
+@click.option(
+    "--scenario",
+    "only",
+    multiple=True,
+    type=click.Choice(["payload", "flood", "churn", "transient", "fds"]),
+    help="Run only this scenario (repeatable); default: all.",
+)
+def hostile_cmd(quick: bool, out: str, only: tuple[str, ...]) -> None:
+    """The daemon vs hostile writers and neighbours: RSS, scrape time, CPU, log lines (#12)."""
+    from kvsidecar.bench import hostile_writers as hostile
+
+    r = hostile.run(quick=quick, only=only)
+    if "payload" in r:
+        rows = [
+            [
+                v["variant"],
+                v["payload_bytes"],
+                v["rss_before_mb"],
+                v["peak_rss_mb"],
+                v["good_only"]["p50_ms"],
+                v["with_hostile"]["p50_ms"],
+                v["with_hostile"]["p99_ms"],
+                f"{v['with_hostile']['ok']}/{v['with_hostile']['scrapes']}",
+                v["with_hostile"]["body_bytes"],
+            ]
+            for v in r["payload"]["variants"]
+        ]
+        headers = ["payload", "bytes", "RSS MB", "peak RSS MB", "p50 ms (good only)"]
+        headers += ["p50 ms", "p99 ms", "200s", "body bytes"]
+        report.print_table("hostile payload beside 4 healthy ranks", headers, rows)
+    for name in ("flood", "churn", "transient", "fds"):
+        if name in r:
+            report.print_table(f"hostile {name}", list(r[name]), [list(r[name].values())])
+    report.write_json(out, "hostile", r)
+
+
 @bench.command(name="all")
 @quick_option
 @out_option
@@ -319,7 +358,7 @@ def soak_cmd(quick: bool, out: str, seconds: float) -> None:
 @click.option("--tls", is_flag=True, help="Trickle an unfinished TLS handshake instead.")
 def slowloris_cmd(quick: bool, out: str, connections: int, interval: float, tls: bool) -> None:
     """Probe latency (/-/healthy, /metrics) while N connections trickle a byte each."""
-    from kvsidecar.bench import hostile
+    from kvsidecar.bench import hostile_clients as hostile
 
     r = hostile.run_slowloris(quick=quick, connections=connections, tls=tls, interval=interval)
     report.print_table(
@@ -347,7 +386,7 @@ def slowloris_cmd(quick: bool, out: str, connections: int, interval: float, tls:
 @click.option("--distinct", is_flag=True, help="A new wrong password per attempt.")
 def authflood_cmd(quick: bool, out: str, threads: int, distinct: bool) -> None:
     """First (uncached) login latency under a wrong-password flood (bcrypt cost 10)."""
-    from kvsidecar.bench import hostile
+    from kvsidecar.bench import hostile_clients as hostile
 
     r = hostile.run_authflood(quick=quick, threads=threads, distinct=distinct)
     report.print_table(

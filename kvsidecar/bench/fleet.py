@@ -90,11 +90,13 @@ def start_daemon(
     wait_for_source: bool = True,
     timeout: float = 30.0,
     context: ssl.SSLContext | None = None,
+    **popen: Any,
 ) -> tuple[subprocess.Popen, str]:
     """Start ``kvsidecar serve`` on a free loopback port; return it and its base URL once
     it serves a scrape with at least one source (or, without ``wait_for_source``, once
-    ``/-/healthy`` answers; over https with ``context``). stderr is inherited: an unread
-    pipe could fill and block it."""
+    ``/-/healthy`` answers; over https with ``context``). stderr is inherited (an unread
+    pipe could fill and block it) unless ``popen`` says otherwise (e.g. ``stderr=file``,
+    ``user=uid``)."""
     port = free_port()
     daemon = subprocess.Popen(
         [
@@ -111,6 +113,7 @@ def start_daemon(
             *args,
         ],
         stdout=subprocess.DEVNULL,
+        **popen,
     )
     url = f"{'https' if context else 'http'}://127.0.0.1:{port}"
     path, marker = ("/metrics", b"kvsidecar_source_up{") if wait_for_source else ("/-/healthy", b"")

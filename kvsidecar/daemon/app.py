@@ -33,6 +33,7 @@ from kvsidecar.daemon.targets import UP, TargetSet, TargetView
 from kvsidecar.protocol.schema import to_dict
 
 _JSON = msgspec.json.Encoder()
+_READY_LIST_MAX = 64  # a probe answer stays short whatever the number of targets
 
 
 def view_record(view: TargetView, now_mono_ns: int | None = None) -> dict[str, Any]:
@@ -99,13 +100,22 @@ class Daemon:
     def snapshots_json(self) -> bytes:
         self.targets.refresh_if_older(self.targets.poll_interval)
         now = time.monotonic_ns()
-        return _JSON.encode({"targets": [view_record(v, now) for v in self.targets.views()]})
+        records = [view_record(v, now) for v in self.targets.views()]
+        return _JSON.encode(
+            {"targets": records, "discovery_error": self.targets.discovery_error or None}
+        )
 
     def ready(self) -> tuple[bool, str]:
         if self.targets.polls_total == 0:
             return False, "not ready: no poll completed yet"
         views = self.targets.views()
-        summary = ", ".join(f"{v.name}={v.state}" for v in views) or "no segments"
+        summary = ", ".join(f"{v.name}={v.state}" for v in views[:_READY_LIST_MAX])
+        if len(views) > _READY_LIST_MAX:
+            summary += f", ... ({len(views)} segments)"
+        summary = summary or "no segments"
+        if self.targets.discovery_error:
+            # Still 200 (the sidecar's readiness gates the Pod), but never silent.
+            summary += f"; discovery failing: {self.targets.discovery_error}"
         if self.ready_requires_source and not any(v.up for v in views):
             return False, f"not ready: no source is up ({summary})"
         return True, f"ready: {summary}"
@@ -140,7 +150,10 @@ class Daemon:
         return {
             "last_poll_duration_s": self.targets.last_poll_duration_s,
             "polls_total": self.targets.polls_total,
-            "refused": len(self.targets.refused),
+            "refused": self.targets.refused_count,
+            "refusals": dict(self.targets.refusals_total),
+            "discovery_error": self.targets.discovery_error,
+            "discovery_errors": dict(self.targets.discovery_errors_total),
         }
 
     def _http_stats(self) -> dict[str, Any]:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import errno
 import logging
-import os
 import signal
 import sys
 
@@ -17,6 +16,7 @@ from kvsidecar.cli_options import (
     allowed_uids,
     prefix_option,
     printable,
+    require_dir,
     shm_dir_option,
     trust_options,
 )
@@ -123,6 +123,46 @@ def _segment_names(
     envvar="KVSIDECAR_WEB_DISABLE_EXPORTER_METRICS",
     help="Leave out metrics about the daemon itself (process_*, python_*, kvsidecar_http_*).",
 )
+@click.option(
+    "--max-targets",
+    type=click.IntRange(1),
+    default=256,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_TARGETS",
+    help="Most segments followed at once; further files are refused and counted.",
+)
+@click.option(
+    "--max-pools-per-rank",
+    type=click.IntRange(1),
+    default=64,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_POOLS_PER_RANK",
+    help="A segment with more pools is refused (checked before decoding them).",
+)
+@click.option(
+    "--max-label-length",
+    type=click.IntRange(16),
+    default=256,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_LABEL_LENGTH",
+    help="A segment with a longer label value (model_name, pool_name, ...) is refused.",
+)
+@click.option(
+    "--max-series-per-target",
+    type=click.IntRange(64),
+    default=4096,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_SERIES_PER_TARGET",
+    help="A segment that would export more series is refused.",
+)
+@click.option(
+    "--max-payload-bytes",
+    type=click.IntRange(4096),
+    default=1024 * 1024,
+    show_default=True,
+    envvar="KVSIDECAR_MAX_PAYLOAD_BYTES",
+    help="A segment whose slot is bigger is refused before any payload is read.",
+)
 @log_options
 def serve(
     shm_dir: str,
@@ -139,11 +179,17 @@ def serve(
     allow_any_uid: bool,
     ready_requires_source: bool,
     disable_exporter_metrics: bool,
+    max_targets: int,
+    max_pools_per_rank: int,
+    max_label_length: int,
+    max_series_per_target: int,
+    max_payload_bytes: int,
     log_level: str,
     log_format: str,
 ) -> None:
     """Serve every segment's snapshots: Prometheus /metrics, JSON and health endpoints."""
     from kvsidecar.daemon.app import Daemon
+    from kvsidecar.daemon.budget import Budget
     from kvsidecar.daemon.http import HTTPStats, WebServer, raise_fd_limit
     from kvsidecar.daemon.targets import TargetSet
     from kvsidecar.daemon.webconfig import WebConfigError, load_web_config
@@ -154,13 +200,9 @@ def serve(
     # (the default action would kill it). Handled in the main loop: a reload takes locks.
     hangups: list[int] = []
     signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
-    if not os.path.isdir(shm_dir):
-        click.echo(
-            f"kvsidecar: --shm-dir {shm_dir} is not a directory: create it or point "
-            "--shm-dir/KVSIDECAR_SHM_DIR at the agent's segment directory",
-            err=True,
-        )
-        sys.exit(EXIT_USAGE)
+    # A missing default directory only means no engine has started yet (the agent creates
+    # it): serve and wait, as under systemd at boot. Any other missing directory is a typo.
+    require_dir(shm_dir)
     # Env twins of repeatable flags are space-separated (click splits them).
     addresses = [a for item in listen_addresses for a in item.split()]
     try:
@@ -177,6 +219,14 @@ def serve(
         poll_interval=poll_interval,
         rediscover_interval=rediscover_interval,
         allowed_uids=allowed,
+        budget=Budget(
+            max_payload_bytes=max_payload_bytes,
+            max_pools_per_rank=max_pools_per_rank,
+            max_label_length=max_label_length,
+            max_series_per_target=max_series_per_target,
+        ),
+        max_targets=max_targets,
+        confirm_after=rediscover_interval,
     )
     raise_fd_limit()  # every HTTP connection is an fd: 1,000 of them need more than 1,024
     stats = HTTPStats()

@@ -21,6 +21,7 @@ from prometheus_client.core import (
 
 from kvsidecar import __version__
 from kvsidecar.daemon import metric_defs as md
+from kvsidecar.daemon.budget import valid_value
 from kvsidecar.daemon.targets import STATES, TargetView
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 
@@ -69,6 +70,8 @@ class SnapshotCollector:
         up = [v for v in views if v.up and v.last is not None]
         yield from self._runtime(up)
         yield from self._pools(up, now)
+        # _dp_sums emits no sum over a rank that cannot tell (None, also a value dropped by
+        # validation): a partial sum would be a number that is not what it says.
         yield from self._dp_sums(up)
         yield from self._sources(views, now)
         yield from self._daemon(views)
@@ -109,8 +112,9 @@ class SnapshotCollector:
         usage, tokens, age, fill = (_family(m, md.POOL_LABELS) for m in md.POOL_DERIVED)
         for view in up:
             base = rank_labels(view)
-            for p in view.last.snapshot.pools:  # type: ignore[union-attr]
-                labels = [*base, p.pool_name, str(p.group_id)]
+            pools = view.last.snapshot.pools  # type: ignore[union-attr]
+            for p, pool_label in zip(pools, pool_labels(pools)):
+                labels = [*base, pool_label, str(p.group_id)]
                 for m, fam in families:
                     value = getattr(p, m.field)
                     if value is not None:
@@ -170,6 +174,9 @@ class SnapshotCollector:
         publish_errors = fam("kvsidecar_source_publish_errors_total")
         generation = fam("kvsidecar_source_generation")
         seq = fam("kvsidecar_source_last_sequence")
+        budget = fam("kvsidecar_source_budget_refusals_total", ("limit",))
+        rejected = fam("kvsidecar_source_rejected_values_total", ("field",))
+        duplicates = fam("kvsidecar_source_duplicate_pools")
         for view in views:
             labels = rank_labels(view)
             up.add_metric(labels, 1.0 if view.up else 0.0)
@@ -177,18 +184,30 @@ class SnapshotCollector:
                 state.add_metric([*labels, s], 1.0 if view.state == s else 0.0)
             a = view.age_seconds(now)
             if a is not None:
+                last = view.last
                 age.add_metric(labels, a)
-                generation.add_metric(labels, view.last.generation)  # type: ignore[union-attr]
-                seq.add_metric(labels, view.last.seq)  # type: ignore[union-attr]
+                # Header words are u64 the writer controls: int64 range only, like the payload.
+                if valid_value(last.generation):  # type: ignore[union-attr]
+                    generation.add_metric(labels, last.generation)  # type: ignore[union-attr]
+                if valid_value(last.seq):  # type: ignore[union-attr]
+                    seq.add_metric(labels, last.seq)  # type: ignore[union-attr]
+                pools = last.snapshot.pools  # type: ignore[union-attr]
+                duplicates.add_metric(labels, _duplicates(pools))
                 # From the header at the last read, independent of the payload.
-                publish_errors.add_metric(labels, view.last.publish_errors_total)  # type: ignore[union-attr]
+                if valid_value(last.publish_errors_total):  # type: ignore[union-attr]
+                    publish_errors.add_metric(labels, last.publish_errors_total)  # type: ignore[union-attr]
             restarts.add_metric(labels, view.writer_restarts_total)
             retries.add_metric(labels, view.read_retries_total)
             decode.add_metric(labels, view.decode_errors_total)
             for kind, n in sorted(view.read_errors_total.items()):
                 errors.add_metric([*labels, kind], n)
+            for limit, n in sorted(view.budget_refusals_total.items()):
+                budget.add_metric([*labels, limit], n)
+            for name, n in sorted(view.rejected_values_total.items()):
+                rejected.add_metric([*labels, name], n)
         yield from (up, state, age, restarts, retries, decode, errors, publish_errors)
         yield from (generation, seq)
+        yield from (budget, rejected, duplicates)
 
     def _daemon(self, views: list[TargetView]) -> Iterator[Metric]:
         defs = {m.name: m for m in md.DAEMON}
@@ -209,6 +228,17 @@ class SnapshotCollector:
             yield poll
             yield polls
             yield refused
+            refusals = _family(defs["kvsidecar_segment_refusals_total"], ("reason",))
+            for reason, n in sorted(stats.get("refusals", {}).items()):
+                refusals.add_metric([reason], n)
+            yield refusals
+            discovery_up = _family(defs["kvsidecar_discovery_up"], ())
+            discovery_up.add_metric([], 0.0 if stats.get("discovery_error") else 1.0)
+            yield discovery_up
+            errors = _family(defs["kvsidecar_discovery_errors_total"], ("cause",))
+            for cause, n in sorted(stats.get("discovery_errors", {}).items()):
+                errors.add_metric([cause], n)
+            yield errors
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
 
@@ -225,15 +255,41 @@ def _deferred_blocks(pools: list[KVCachePoolSnapshot]) -> int | None:
     return total
 
 
+def pool_labels(pools: list[KVCachePoolSnapshot]) -> list[str]:
+    """The pool label of each pool: its name, or ``<name>#<n>`` for the n-th pool with the
+    same (pool_name, group_id), so one segment never yields two identical series.
+    Deterministic: payload order, and a suffix never collides with another pool's label."""
+    taken = {(p.pool_name, p.group_id) for p in pools}
+    seen: set[tuple[str, int]] = set()
+    out = []
+    for p in pools:
+        label = p.pool_name
+        if (label, p.group_id) in seen:
+            n = 2
+            # Skip suffixes a real pool uses too ("kv#2" registered by the engine itself).
+            while (f"{label}#{n}", p.group_id) in seen or (f"{label}#{n}", p.group_id) in taken:
+                n += 1
+            label = f"{label}#{n}"
+        seen.add((label, p.group_id))
+        out.append(label)
+    return out
+
+
+def _duplicates(pools: list[KVCachePoolSnapshot]) -> int:
+    return len(pools) - len({(p.pool_name, p.group_id) for p in pools})
+
+
 def _derived(p: KVCachePoolSnapshot, labels: list[str], usage, tokens, fill) -> None:
-    if p.total_blocks > 0:
-        usage.add_metric(labels, p.allocated_blocks / p.total_blocks)
-    if p.tokens_used is None or p.block_size_tokens <= 0:
+    # Any input may be None: unsupported, or dropped by validation (budget.sanitize).
+    total, allocated, size = p.total_blocks, p.allocated_blocks, p.block_size_tokens
+    if total is not None and allocated is not None and total > 0:
+        usage.add_metric(labels, allocated / total)
+    if p.tokens_used is None or size is None or size <= 0:
         return  # token occupancy unsupported by this writer: no series, not a fake 0
-    if p.total_blocks > 0:
-        tokens.add_metric(labels, p.tokens_used / (p.total_blocks * p.block_size_tokens))
-    if p.allocated_blocks > 0:
-        fill.add_metric(labels, p.tokens_used / (p.allocated_blocks * p.block_size_tokens))
+    if total is not None and total > 0:
+        tokens.add_metric(labels, p.tokens_used / (total * size))
+    if allocated is not None and allocated > 0:
+        fill.add_metric(labels, p.tokens_used / (allocated * size))
 
 
 def _deferred_age(p: KVCachePoolSnapshot, labels: list[str], age, now_mono_ns: int) -> None:

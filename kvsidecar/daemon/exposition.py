@@ -16,8 +16,18 @@ from prometheus_client.utils import floatToGoString
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
+# Bounded in bytes, not entries: a writer churning a 2 KB model_name made 65,536 entries
+# cost ~220 MB. Each entry holds its key's strings and the rendered text (about the
+# same characters twice) plus ~200 bytes of tuple and dict overhead.
+LABEL_CACHE_MAX_BYTES = 4 * 1024 * 1024
+_ENTRY_OVERHEAD = 200
 _label_cache: dict[tuple, str] = {}
-_LABEL_CACHE_MAX = 65536
+_label_cache_bytes = 0
+
+
+def label_cache_bytes() -> int:
+    """Approximate bytes held by the label cache (never above LABEL_CACHE_MAX_BYTES)."""
+    return _label_cache_bytes
 
 
 def _escape(value: str) -> str:
@@ -25,6 +35,7 @@ def _escape(value: str) -> str:
 
 
 def _labels(labels: dict[str, str]) -> str:
+    global _label_cache_bytes
     key = tuple(labels.items())
     text = _label_cache.get(key)
     if text is None:
@@ -32,9 +43,15 @@ def _labels(labels: dict[str, str]) -> str:
             text = ""
         else:
             text = "{" + ",".join(f'{k}="{_escape(v)}"' for k, v in sorted(key)) + "}"
-        if len(_label_cache) >= _LABEL_CACHE_MAX:
-            _label_cache.clear()  # label sets churn only with targets; a reset is cheap
+        cost = 2 * len(text) + _ENTRY_OVERHEAD
+        if cost > LABEL_CACHE_MAX_BYTES // 64:
+            return text  # too big to be worth keeping
+        if _label_cache_bytes + cost > LABEL_CACHE_MAX_BYTES:
+            # Live label sets churn only with targets: a reset is cheap and bounds memory.
+            _label_cache.clear()
+            _label_cache_bytes = 0
         _label_cache[key] = text
+        _label_cache_bytes += cost
     return text
 
 

@@ -561,6 +561,30 @@ SOURCE: tuple[MetricDef, ...] = (
         "",
         "Sequence number of the last good snapshot (publishes since start).",
     ),
+    MetricDef(
+        "kvsidecar_source_budget_refusals_total",
+        COUNTER,
+        "reads",
+        "Reads refused because the segment exceeds the target's budget (label limit: "
+        "payload_bytes, pools, label_length, series; flags --max-*); the target is then "
+        "in state refused and exports health series only.",
+    ),
+    MetricDef(
+        "kvsidecar_source_rejected_values_total",
+        COUNTER,
+        "values",
+        "Out-of-range values dropped from snapshots (negative, NaN/Inf or >= 2^63), by "
+        "field (label field, e.g. pool.allocated_blocks), once per snapshot; the series "
+        "is omitted as if unsupported.",
+    ),
+    MetricDef(
+        "kvsidecar_source_duplicate_pools",
+        GAUGE,
+        "pools",
+        "Pools of the last snapshot whose (pool_name, group_id) repeats an earlier pool's; "
+        'they are exported as pool="<name>#<n>" (n = 2, 3, ... in payload order), so no '
+        "series is ever duplicated.",
+    ),
 )
 
 DAEMON: tuple[MetricDef, ...] = (
@@ -568,8 +592,31 @@ DAEMON: tuple[MetricDef, ...] = (
         "kvsidecar_refused_segments",
         GAUGE,
         "",
-        "Files in the shm directory matching the prefix that the daemon refuses to read "
-        "(symlink, FIFO, foreign owner, newer major version); the log says why.",
+        "Files in the shm directory matching the prefix that the daemon does not follow now "
+        "(symlink, FIFO, foreign owner, unreadable, newer major version, over --max-targets); "
+        "the log summarizes why.",
+    ),
+    MetricDef(
+        "kvsidecar_segment_refusals_total",
+        COUNTER,
+        "files",
+        "Discovered files refused, each counted once per file identity (label reason: "
+        "symlink, not_regular, foreign_owner, unreadable, vanished = gone before it could "
+        "be read, max_targets = over --max-targets). They mint no other series.",
+    ),
+    MetricDef(
+        "kvsidecar_discovery_up",
+        GAUGE,
+        "",
+        "1 if the last scan of the shm directory succeeded; 0 while it fails (known targets "
+        "are still served; /-/ready and the log say why).",
+    ),
+    MetricDef(
+        "kvsidecar_discovery_errors_total",
+        COUNTER,
+        "errors",
+        "Failed scans of the shm directory, and segments that could not be opened for lack "
+        "of descriptors or memory, by errno name (label cause, e.g. EACCES, EMFILE).",
     ),
     MetricDef("kvsidecar_sources", GAUGE, "", "Segments currently followed."),
     MetricDef("kvsidecar_build_info", INFO, "", "kvsidecar version (label version); value 1."),

@@ -4,16 +4,28 @@ A `Target` is polled by one thread at a time (`TargetSet` holds the lock);
 readers of its state (the collector, the JSON API) only ever see an immutable
 `TargetView` that the poll swaps in whole, so a scrape never observes a
 half-updated target.
+
+The shm directory is shared with other local users, so discovery is built to
+cost little whatever they put there: a refused file is remembered by its
+identity and costs at most an ``lstat`` per rescan, refusals are counted and
+summarized in one log line per interval, the number of followed targets is
+capped, a file that vanished before it could be read mints nothing, and a
+failing ``listdir`` keeps every known target (see docs/security.md).
 """
 
 from __future__ import annotations
 
+import errno
 import logging
+import os
+import stat
 import threading
 import time
 from dataclasses import dataclass, field, replace
 
-from kvsidecar.discovery import list_segments
+from kvsidecar.daemon.budget import BoundedSnapshotDecoder, Budget, OverBudget, check, sanitize
+from kvsidecar.discovery import scan_segments
+from kvsidecar.protocol.names import DEFAULT_SHM_DIR
 from kvsidecar.protocol.reader import Corrupt, ReadError, Reading, SegmentReader
 
 UP, STALE, DEAD, CORRUPT, NOT_READY, REFUSED = (
@@ -25,6 +37,27 @@ UP, STALE, DEAD, CORRUPT, NOT_READY, REFUSED = (
     "refused",
 )
 STATES = (UP, STALE, DEAD, CORRUPT, NOT_READY, REFUSED)
+OVER_BUDGET = "over_budget"  # error_kind of a target refused for its budget
+
+# Why a discovered file is not followed (label reason of kvsidecar_segment_refusals_total).
+REFUSAL_REASONS = (
+    "symlink",
+    "not_regular",
+    "foreign_owner",
+    "unreadable",  # the reader refused it: permissions, newer major version, ...
+    "vanished",  # gone before it could be read
+    "max_targets",
+)
+DEFAULT_MAX_TARGETS = 256
+SUMMARY_INTERVAL = 60.0  # seconds between two refusal-summary / discovery-error log lines
+# While the directory is unchanged, this many refused files are re-lstat'ed per scan (a
+# file edited or chowned in place is noticed within a few scans, at a bounded cost).
+RECHECK_PER_SCAN = 4096
+_MTIME_SETTLE_NS = 2_000_000_000  # tmpfs mtimes are coarse: trust one only once it is this old
+# Reader refusals that are the daemon's own shortage, not the file's fault: retry, never cache.
+_TRANSIENT = {
+    os.strerror(e): errno.errorcode[e] for e in (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
+}
 
 log = logging.getLogger("kvsidecar.targets")
 
@@ -36,12 +69,15 @@ class TargetView:
     name: str
     state: str = NOT_READY
     error: str = ""
+    error_kind: str = ""  # ReadError.kind, or OVER_BUDGET
     last: Reading | None = None  # last good reading, kept across dead/stale/corrupt
     last_poll_mono_ns: int = 0
     writer_restarts_total: int = 0
     read_retries_total: int = 0
     decode_errors_total: int = 0
     read_errors_total: dict[str, int] = field(default_factory=dict)
+    budget_refusals_total: dict[str, int] = field(default_factory=dict)  # by limit
+    rejected_values_total: dict[str, int] = field(default_factory=dict)  # by field
 
     @property
     def up(self) -> bool:
@@ -49,6 +85,12 @@ class TargetView:
 
     def age_seconds(self, now_mono_ns: int | None = None) -> float | None:
         return None if self.last is None else self.last.age_seconds(now_mono_ns)
+
+
+def _bump(counts: dict[str, int], key: str, n: int = 1) -> dict[str, int]:
+    out = dict(counts)
+    out[key] = out.get(key, 0) + n
+    return out
 
 
 class Target:
@@ -61,12 +103,20 @@ class Target:
         *,
         stale_after: float,
         allowed_uids: frozenset[int] | None = None,
+        budget: Budget | None = None,
+        explicit: bool = False,
     ) -> None:
         self.name = name
         self.stale_after = stale_after
+        self.budget = budget or Budget()
+        self.explicit = explicit
+        self.admitted_mono = time.monotonic()
         self.reader = SegmentReader(name, shm_dir=shm_dir, allowed_uids=allowed_uids)
+        # The reader decodes through this: too many pools are refused before a record is built.
+        self.reader._decoder = BoundedSnapshotDecoder(self.budget.max_pools_per_rank)  # type: ignore[assignment]
         self.view = TargetView(name=name)
         self._incarnation = 0
+        self._checked: tuple[int, int] | None = None  # (incarnation, seq) of v.last's snapshot
 
     def poll(self, log_transitions: bool = True) -> TargetView:
         """Attach if needed, read, classify. Never raises."""
@@ -88,9 +138,38 @@ class Target:
             error = reader.attach()
             if error is not None:
                 return self._failed(v, error, now)
-        result = reader.read()
+        capacity = reader.header.slot_capacity if reader.header is not None else 0
+        if capacity > self.budget.max_payload_bytes:
+            # Refused before a single payload byte is copied.
+            return self._over_budget(
+                v,
+                OverBudget(
+                    "payload_bytes",
+                    f"slot of {capacity} bytes > --max-payload-bytes "
+                    f"{self.budget.max_payload_bytes}",
+                ),
+                now,
+            )
+        try:
+            result = reader.read()
+        except OverBudget as e:  # raised by the bounded decoder
+            return self._over_budget(v, e, now)
         if isinstance(result, ReadError):
             return self._failed(v, result, now)
+        rejected: dict[str, int] = {}
+        key = (result.incarnation, result.seq)
+        if key == self._checked and v.last is not None:
+            # The same snapshot as last poll (only the heartbeat moved): checked already.
+            result = replace(result, snapshot=v.last.snapshot)
+        else:
+            try:
+                check(result.snapshot, self.budget)
+            except OverBudget as e:
+                return self._over_budget(v, e, now)
+            snapshot, rejected = sanitize(result.snapshot)
+            if rejected:
+                result = replace(result, snapshot=snapshot)
+            self._checked = key
         restarts = v.writer_restarts_total
         if self._incarnation and result.incarnation != self._incarnation:
             restarts += 1
@@ -105,19 +184,35 @@ class Target:
             )
         else:
             state, error = UP, ""
+        values = v.rejected_values_total
+        if rejected:
+            values = dict(values)
+            for f, n in rejected.items():
+                values[f] = values.get(f, 0) + n
         return replace(
             v,
             state=state,
             error=error,
+            error_kind="",
             last=result,
             last_poll_mono_ns=now,
             writer_restarts_total=restarts,
             read_retries_total=v.read_retries_total + result.attempts - 1,
+            rejected_values_total=values,
+        )
+
+    def _over_budget(self, v: TargetView, e: OverBudget, now: int) -> TargetView:
+        # The over-budget snapshot is never kept: health series keep the last good labels.
+        return replace(
+            v,
+            state=REFUSED,
+            error=f"segment {self.name}: over budget: {e}",
+            error_kind=OVER_BUDGET,
+            last_poll_mono_ns=now,
+            budget_refusals_total=_bump(v.budget_refusals_total, e.limit),
         )
 
     def _failed(self, v: TargetView, error: ReadError, now: int) -> TargetView:
-        errors = dict(v.read_errors_total)
-        errors[error.kind] = errors.get(error.kind, 0) + 1
         if isinstance(error, Corrupt):
             state = CORRUPT
         elif error.kind == "refused" or error.kind == "version_mismatch":
@@ -133,13 +228,29 @@ class Target:
             v,
             state=state,
             error=str(error),
+            error_kind=error.kind,
             last_poll_mono_ns=now,
-            read_errors_total=errors,
+            read_errors_total=_bump(v.read_errors_total, error.kind),
             decode_errors_total=v.decode_errors_total + (1 if isinstance(error, Corrupt) else 0),
         )
 
     def close(self) -> None:
         self.reader.close()
+
+
+@dataclass(slots=True)
+class _Refused:
+    ino: int  # from readdir: a replaced file is noticed without a stat
+    key: int  # hash of (dev, ino, mtime, ctime, size): an edited file is looked at again
+    reason: str
+    message: str | None  # None: rebuilt from the reason (keeps 50,000 entries small)
+
+
+def _transient_cause(error: str) -> str | None:
+    for text, cause in _TRANSIENT.items():
+        if error.endswith(text):
+            return cause
+    return None
 
 
 class TargetSet:
@@ -156,6 +267,11 @@ class TargetSet:
         poll_interval: float = 0.25,
         rediscover_interval: float = 1.0,
         allowed_uids: frozenset[int] | None = None,
+        budget: Budget | None = None,
+        max_targets: int = DEFAULT_MAX_TARGETS,
+        confirm_after: float = 0.0,
+        summary_interval: float = SUMMARY_INTERVAL,
+        recheck_per_scan: int = RECHECK_PER_SCAN,
     ) -> None:
         self.shm_dir = shm_dir
         self.prefix = prefix
@@ -165,49 +281,252 @@ class TargetSet:
         self.poll_interval = poll_interval
         self.rediscover_interval = rediscover_interval
         self.allowed_uids = allowed_uids
+        self.budget = budget or Budget()
+        self.max_targets = max_targets
+        # A new target with no good reading stays hidden this long, so a file that
+        # vanishes within a scan interval never mints a series.
+        self.confirm_after = confirm_after
+        self.summary_interval = summary_interval
+        self.recheck_per_scan = recheck_per_scan
+        self._recheck_queue: list[str] = []
         self.targets: dict[str, Target] = {}
-        self.refused: dict[str, str] = {}  # name -> why, for discovered files we will not read
+        self._refused: dict[str, _Refused] = {}
+        self.refusals_total: dict[str, int] = {}  # by reason: each refused file counted once
+        self.discovery_errors_total: dict[str, int] = {}  # by cause (errno name)
+        self.discovery_error = ""  # "" while listing the directory works
         self.version = 0  # bumped on every poll cycle: invalidates rendered output
         self.last_poll_mono_ns = 0
         self.last_poll_duration_s = 0.0
         self.polls_total = 0
         self._last_discovery = 0.0
+        self._dir_key: tuple[int, int, int, int] | None = None
+        self._pending: dict[str, int] = {}  # refusals since the last summary line
+        self._pending_example = ""
+        self._last_summary = float("-inf")
+        self._error_logged: dict[str, float] = {}
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     # -- discovery ------------------------------------------------------------
 
+    @property
+    def refused(self) -> dict[str, str]:
+        """Discovered files not followed now: name -> why."""
+        return {n: r.message or self._message(n, r.reason) for n, r in self._refused.items()}
+
+    @property
+    def refused_count(self) -> int:
+        return len(self._refused)
+
+    def _message(self, name: str, reason: str) -> str:
+        path = os.path.join(self.shm_dir, name)
+        return {
+            "symlink": f"{path} is a symlink: refused (segments are never followed)",
+            "not_regular": f"{path} is not a regular file (FIFO/device?): refused",
+            "foreign_owner": f"{path} is not owned by an allowed writer: pass --allow-uid "
+            "to trust it",
+            "max_targets": f"{path}: already following --max-targets {self.max_targets} segments",
+        }.get(reason, f"{path}: refused ({reason})")
+
     def discover(self) -> None:
         """Add new segments, forget segments whose file is gone (explicit names are kept).
 
         A discovered file we refuse (symlink, FIFO, foreign owner, newer major
-        version) does not become a target: anyone who can write the shm
-        directory could otherwise mint series. It is logged once per reason,
-        counted in ``refused``, and looked at again at the next discovery.
+        version, over --max-targets) does not become a target: anyone who can
+        write the shm directory could otherwise mint series. It is counted once
+        per file identity, summarized in the log, and looked at again only when
+        it changes (or its slot frees up, for --max-targets).
         """
-        listed = list_segments(self.shm_dir, self.prefix, self.pattern)
-        found = set(self.explicit) | set(listed)
-        refused: dict[str, str] = {}
-        for name in sorted(found - self.targets.keys()):
-            target = Target(
-                name, self.shm_dir, stale_after=self.stale_after, allowed_uids=self.allowed_uids
-            )
-            view = target.poll(log_transitions=False)
-            if view.state == REFUSED and name not in self.explicit:
-                target.close()
-                refused[name] = view.error
-                if self.refused.get(name) != view.error:
-                    log.warning("refusing %s: %s", name, view.error)
+        now = time.monotonic()
+        self._last_discovery = now
+        try:
+            st = os.stat(self.shm_dir)
+            # ctime too: a chmod (an unreadable directory) must be seen at once.
+            dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
+            if dir_key == self._dir_key:
+                # Nothing was added, removed or renamed since the last scan.
+                self._discovery_ok()
+                self._recheck_some()
+                self._flush_summary(now)
+                return
+            listed = scan_segments(self.shm_dir, self.prefix, self.pattern)
+        except FileNotFoundError as e:
+            if self.shm_dir != DEFAULT_SHM_DIR:
+                self._discovery_failed(e, now)
+                return
+            # The agent creates the default directory with the first engine: until then
+            # there is no segment (not an error), and nothing known can be kept either.
+            self._discovery_ok()
+            self._dir_key = None
+            self._rescan({})
+            self._flush_summary(now)
+            return
+        except OSError as e:
+            self._discovery_failed(e, now)
+            return  # keep every known target: a listing error is not "no segments"
+        self._discovery_ok()
+        settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _MTIME_SETTLE_NS
+        self._dir_key = dir_key if settled else None
+        self._rescan(listed)
+        self._flush_summary(now)
+
+    def _recheck_some(self) -> None:
+        """Re-lstat the next slice of refused files; look again at those that changed."""
+        queue = self._recheck_queue
+        if not queue:
+            queue = self._recheck_queue = [
+                n for n, r in self._refused.items() if r.reason != "max_targets"
+            ]
+        batch = queue[-self.recheck_per_scan :]
+        del queue[-self.recheck_per_scan :]
+        explicit = set(self.explicit)
+        for name in batch:
+            entry = self._refused.get(name)
+            if entry is None:
                 continue
-            if view.state != NOT_READY:
-                log.info("%s: found, %s %s", name, view.state, view.error)
-            self.targets[name] = target
-        self.refused = refused
-        for name in list(self.targets.keys() - found):
+            try:
+                st = os.lstat(self.shm_dir + "/" + name)
+            except OSError:
+                continue  # gone: the directory changed, the next scan sees it
+            key = hash((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
+            if key != entry.key:
+                self._consider(name, entry.ino, name in explicit)
+
+    def _rescan(self, listed: dict[str, int]) -> None:
+        explicit = set(self.explicit)
+        found = explicit | listed.keys()
+        for name in sorted(self.targets.keys() - found):
             log.info("%s: gone, forgetting it", name)
             self.targets.pop(name).close()
-        self._last_discovery = time.monotonic()
+        refused = self._refused
+        for name in [n for n in refused if n not in listed]:
+            del refused[name]
+        room = len(self.targets) < self.max_targets
+        new = []
+        for name in found - self.targets.keys():
+            entry = refused.get(name)
+            # The same refused file as before costs nothing (the inode comes from readdir).
+            if (
+                entry is None
+                or entry.ino != listed.get(name, 0)
+                or (room and entry.reason == "max_targets")
+            ):
+                new.append(name)
+        for name in sorted(new, key=lambda n: (n not in explicit, n)):
+            self._consider(name, listed.get(name, 0), name in explicit)
+
+    def _consider(self, name: str, ino: int, explicit: bool) -> None:
+        entry = self._refused.get(name)
+        key = 0
+        if not explicit:
+            try:
+                st = os.lstat(self.shm_dir + "/" + name)
+            except FileNotFoundError:
+                self._refuse(name, "vanished")
+                return
+            except OSError:
+                st = None
+            if st is not None:
+                key = hash((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
+                if entry is not None and entry.key == key and entry.reason != "max_targets":
+                    entry.ino = ino
+                    return  # unchanged since it was refused
+                reason = self._classify(st)
+                if reason is not None:
+                    self._refuse(name, reason, ino, key)
+                    return
+            if len(self.targets) >= self.max_targets:
+                self._refuse(name, "max_targets", ino, key)
+                return
+        target = Target(
+            name,
+            self.shm_dir,
+            stale_after=self.stale_after,
+            allowed_uids=self.allowed_uids,
+            budget=self.budget,
+            explicit=explicit,
+        )
+        view = target.poll(log_transitions=False)
+        if not explicit:
+            if view.error_kind == "not_found":
+                target.close()
+                self._refuse(name, "vanished")
+                return
+            if view.state == REFUSED and view.error_kind != OVER_BUDGET:
+                target.close()
+                cause = _transient_cause(view.error)
+                if cause is not None:  # our shortage (fds, memory): retry next scan
+                    self.discovery_errors_total = _bump(self.discovery_errors_total, cause)
+                    self._log_error(cause, f"cannot open segments: {view.error}")
+                    return
+                self._refuse(name, "unreadable", ino, key, view.error)
+                return
+        if view.state != NOT_READY:
+            log.info("%s: found, %s %s", name, view.state, view.error)
+        self._refused.pop(name, None)
+        self.targets[name] = target
+
+    def _classify(self, st: os.stat_result) -> str | None:
+        """What an lstat alone tells (no open): the reader checks again on its descriptor."""
+        if stat.S_ISLNK(st.st_mode):
+            return "symlink"
+        if not stat.S_ISREG(st.st_mode):
+            return "not_regular"
+        if self.allowed_uids is not None and st.st_uid not in self.allowed_uids:
+            return "foreign_owner"
+        return None
+
+    def _refuse(
+        self,
+        name: str,
+        reason: str,
+        ino: int | None = None,
+        key: int = 0,
+        message: str | None = None,
+    ) -> None:
+        """Count a refusal; with ino, remember the file so it is not looked at again.
+        A file refused again for the same reason (same inode) is not counted again."""
+        old = self._refused.get(name)
+        if ino is not None:
+            self._refused[name] = _Refused(ino, key, reason, message)
+            if old is not None and old.ino == ino and old.reason == reason:
+                return
+        self.refusals_total = _bump(self.refusals_total, reason)
+        self._pending[reason] = self._pending.get(reason, 0) + 1
+        if not self._pending_example:
+            self._pending_example = f"{name}: {message or self._message(name, reason)}"
+
+    def _flush_summary(self, now: float) -> None:
+        """One log line per interval for every refusal since the last one."""
+        if not self._pending or now - self._last_summary < self.summary_interval:
+            return
+        total = sum(self._pending.values())
+        kinds = ", ".join(f"{n} {r}" for r, n in sorted(self._pending.items()))
+        example = self._pending_example
+        log.warning("refused %d file(s) in %s (%s); e.g. %s", total, self.shm_dir, kinds, example)
+        self._pending, self._pending_example = {}, ""
+        self._last_summary = now
+
+    def _discovery_failed(self, e: OSError, now: float) -> None:
+        cause = errno.errorcode.get(e.errno or 0, "other")
+        self.discovery_errors_total = _bump(self.discovery_errors_total, cause)
+        self.discovery_error = f"cannot list {self.shm_dir}: {e.strerror or e} ({cause})"
+        self._dir_key = None
+        self._log_error(
+            cause, f"{self.discovery_error}; keeping the {len(self.targets)} known target(s)"
+        )
+
+    def _log_error(self, cause: str, message: str) -> None:
+        now = time.monotonic()
+        if now - self._error_logged.get(cause, float("-inf")) >= self.summary_interval:
+            self._error_logged[cause] = now
+            log.warning("%s (logged once per %.0f s)", message, self.summary_interval)
+
+    def _discovery_ok(self) -> None:
+        if self.discovery_error:
+            log.info("listing %s works again", self.shm_dir)
+            self.discovery_error = ""
 
     # -- polling --------------------------------------------------------------
 
@@ -219,8 +538,12 @@ class TargetSet:
         t0 = time.monotonic()
         if t0 - self._last_discovery >= self.rediscover_interval or not self.targets:
             self.discover()
-        for target in list(self.targets.values()):
-            target.poll()
+        for name, target in list(self.targets.items()):
+            view = target.poll()
+            if not target.explicit and view.error_kind == "not_found" and view.last is None:
+                # Vanished before it could ever be read: forget it now, not at the next scan.
+                self.targets.pop(name).close()
+                self._refuse(name, "vanished")
         self.version += 1
         self.polls_total += 1
         self.last_poll_mono_ns = time.monotonic_ns()
@@ -235,7 +558,12 @@ class TargetSet:
                 self._poll_locked()
 
     def views(self) -> list[TargetView]:
-        return [t.view for t in list(self.targets.values())]
+        now = time.monotonic()
+        return [
+            t.view
+            for t in list(self.targets.values())
+            if t.view.last is not None or t.explicit or now - t.admitted_mono >= self.confirm_after
+        ]
 
     # -- background thread ------------------------------------------------------
 

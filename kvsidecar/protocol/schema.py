@@ -226,5 +226,15 @@ def encode_capabilities(caps: Capabilities) -> bytes:
     return _ENCODER.encode(caps)
 
 
+# A directory is ~1.2 KB; a reader refuses one far bigger before decoding it, so a hostile
+# 16 MiB directory of empty strings cannot make it build millions of objects.
+MAX_DIRECTORY_BYTES = 64 * 1024
+
+
 def decode_capabilities(data: bytes | memoryview) -> Capabilities:
+    """Decode a directory; raises msgspec.DecodeError / ValidationError on bad input."""
+    if len(data) > MAX_DIRECTORY_BYTES:
+        raise msgspec.ValidationError(
+            f"directory of {len(data)} bytes > {MAX_DIRECTORY_BYTES}: not a kvsidecar directory"
+        )
     return _CAPS_DECODER.decode(data)

@@ -15,11 +15,17 @@ from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snap
 from .scrape import samples, value
 
 
-def _view(name: str, pools: list[KVCachePoolSnapshot], state: str = UP, dp: int = 0) -> TargetView:
+def _view(
+    name: str,
+    pools: list[KVCachePoolSnapshot],
+    state: str = UP,
+    dp: int = 0,
+    model: str = 'm"x\\y\nz',
+) -> TargetView:
     snap = Snapshot(
         runtime=RuntimeSnapshot(
             engine="e",
-            model_name='m"x\\y\nz',
+            model_name=model,
             dp_rank=dp,
             requests_deferred_free=dp + 1,
             requests_deferred_free_distinct=dp + 1,
@@ -120,3 +126,54 @@ def test_oldest_deferral_age_is_computed_at_scrape_time() -> None:
     assert value(text, name, pool="held") > first  # grows without a new snapshot
     assert value(text, name, pool="idle") == 0
     assert value(text, name, pool="unsupported") is None
+
+
+def test_duplicate_pools_never_give_duplicate_series() -> None:
+    """Two pools with the same (pool_name, group_id): disambiguated in payload order."""
+    pools = [
+        KVCachePoolSnapshot(pool_name="block_pool", total_blocks=100),
+        KVCachePoolSnapshot(pool_name="block_pool", total_blocks=900),
+        KVCachePoolSnapshot(pool_name="block_pool#2", total_blocks=5),  # a real pool's name
+        KVCachePoolSnapshot(pool_name="block_pool", group_id=1, total_blocks=7),  # other group
+        KVCachePoolSnapshot(pool_name="block_pool", total_blocks=1),
+    ]
+    collector = SnapshotCollector(lambda: [_view("s", pools)])
+    registry = CollectorRegistry(auto_describe=False)
+    registry.register(collector)
+    for body in (render_text(collector.collect()), generate_latest(registry)):
+        text = body.decode()
+        keys = [(n, tuple(sorted(lab.items()))) for n, lab, _ in samples(text)]
+        assert len(keys) == len(set(keys)), "duplicate series"
+        name = "kvsidecar_kv_pool_total_blocks"
+        assert value(text, name, pool="block_pool", group="0") == 100
+        assert value(text, name, pool="block_pool#2", group="0") == 5
+        assert value(text, name, pool="block_pool#3", group="0") == 900
+        assert value(text, name, pool="block_pool#4", group="0") == 1
+        assert value(text, name, pool="block_pool", group="1") == 7
+        assert value(text, "kvsidecar_source_duplicate_pools", segment="s") == 2
+
+
+def test_label_cache_is_bounded_in_bytes() -> None:
+    """A writer churning a 2 KB model_name must not grow the renderer's memory (it did by
+    ~220 MB in 60 s): every distinct label set used to be cached up to 65,536 entries."""
+    import gc
+    import tracemalloc
+
+    from kvsidecar.daemon import exposition
+
+    pool = KVCachePoolSnapshot(pool_name="p", total_blocks=10, allocated_blocks=1)
+    exposition._label_cache.clear()
+    gc.collect()
+    tracemalloc.start()
+    try:
+        before = tracemalloc.get_traced_memory()[0]
+        for i in range(600):
+            view = _view("s", [pool], model="m" * 2000 + str(i))
+            render_text(SnapshotCollector(lambda v=view: [v]).collect())
+            del view
+        gc.collect()
+        retained = tracemalloc.get_traced_memory()[0] - before
+    finally:
+        tracemalloc.stop()
+        exposition._label_cache.clear()
+    assert retained < 8 * 1024 * 1024, retained  # cap 4 MiB (+ slack); unbounded: ~40 MB

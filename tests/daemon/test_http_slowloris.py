@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.bench.fleet import fd_count, start_daemon, stop_daemon
-from kvsidecar.bench.hostile import Tricklers, _self_signed
+from kvsidecar.bench.hostile_clients import Tricklers, _self_signed
 from kvsidecar.daemon.http import WebServer
 from tests.daemon.test_http import FakeHandlers, port_of
 

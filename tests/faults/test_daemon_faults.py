@@ -131,7 +131,13 @@ def test_bad_files_at_discovery_are_refused_with_a_reason(shm_dir: str, served) 
     def settled() -> bool:
         nonlocal text
         text = metrics(url)
-        return value(text, "kvsidecar_refused_segments") == 3
+        # New targets with no good reading show after one rediscover interval (a file
+        # that vanishes sooner mints nothing).
+        corrupt = [
+            value(text, "kvsidecar_source_state", segment="kvsidecar." + s, state="corrupt")
+            for s in ("magic", "short", "huge")
+        ]
+        return value(text, "kvsidecar_refused_segments") == 3 and None not in corrupt
 
     assert wait_for(settled, timeout=5), text
     # Refused (symlink, fifo, major): not targets, so they mint no series.

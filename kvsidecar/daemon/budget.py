@@ -1,0 +1,188 @@
+"""What one target may cost the daemon, and what a writer's values must satisfy to be served.
+
+A segment's owner can write anything that fits its slot. Without bounds, a
+valid 16 KB payload of ~16,000 empty pool arrays became 240,000 series and
+took every target's scrape down with it. So every target has a `Budget`:
+
+* ``max_payload_bytes``: a segment whose slot is bigger is refused at attach,
+  before any payload is copied (the default slot is 16 KiB);
+* ``max_pools_per_rank``: checked on the msgpack array header *before* the
+  full decode, so an over-budget payload never builds its pool records;
+* ``max_label_length``: every string that becomes a label value;
+* ``max_series_per_target``: an upper bound of the series the target would export.
+
+A target over budget is refused (state ``refused``, the reason in its error,
+``kvsidecar_source_budget_refusals_total``); other targets are untouched.
+
+`sanitize` validates every exported number per field: a negative count, a
+NaN/Inf or an integer >= 2^63 from a buggy writer is dropped (no series, as if
+unsupported) and counted, so both exposition formats always parse.
+"""
+
+from __future__ import annotations
+
+import math
+import struct
+from dataclasses import dataclass
+
+import msgspec
+
+from kvsidecar.daemon import metric_defs as md
+from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
+
+DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024  # 64x the agent's default slot
+DEFAULT_MAX_POOLS = 64
+DEFAULT_MAX_LABEL_LENGTH = 256
+DEFAULT_MAX_SERIES = 4096
+
+# Source-health series a target exports whatever its payload (states, counters, age...).
+HEALTH_SERIES = len(md.SOURCE) + 8
+
+INT_LIMIT = 2**63  # Prometheus and most consumers are int64/float64 underneath
+
+
+@dataclass(frozen=True)
+class Budget:
+    """Per-target limits (``kvsidecar serve --max-*``)."""
+
+    max_payload_bytes: int = DEFAULT_MAX_PAYLOAD_BYTES
+    max_pools_per_rank: int = DEFAULT_MAX_POOLS
+    max_label_length: int = DEFAULT_MAX_LABEL_LENGTH
+    max_series_per_target: int = DEFAULT_MAX_SERIES
+
+
+class OverBudget(Exception):
+    """A segment exceeds its budget. ``limit`` is a stable short name for metrics."""
+
+    def __init__(self, limit: str, message: str) -> None:
+        super().__init__(message)
+        self.limit = limit
+
+
+LIMITS = ("payload_bytes", "pools", "label_length", "series")
+
+
+class _Outline(msgspec.Struct, array_like=True):
+    # Raw: msgspec only skips over these bytes, it builds nothing.
+    runtime: msgspec.Raw
+    pools: msgspec.Raw = msgspec.Raw(b"\x90")
+
+
+_OUTLINE = msgspec.msgpack.Decoder(_Outline)
+_FULL = msgspec.msgpack.Decoder(Snapshot)
+
+
+def _array_len(raw: bytes | memoryview) -> int | None:
+    """Element count of a msgpack array from its header; None if it is not an array."""
+    if not raw:
+        return None
+    b = raw[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(raw) >= 3:
+        return struct.unpack_from(">H", raw, 1)[0]
+    if b == 0xDD and len(raw) >= 5:
+        return struct.unpack_from(">I", raw, 1)[0]
+    return None
+
+
+class BoundedSnapshotDecoder:
+    """Drop-in for ``msgspec.msgpack.Decoder(Snapshot)`` that refuses too many pools
+    before building any record (raises `OverBudget`; msgspec errors as usual)."""
+
+    def __init__(self, max_pools: int) -> None:
+        self.max_pools = max_pools
+
+    def decode(self, payload: bytes | memoryview) -> Snapshot:
+        n = _array_len(memoryview(_OUTLINE.decode(payload).pools)[:5])
+        if n is not None and n > self.max_pools:
+            raise OverBudget("pools", f"{n} pools per rank > --max-pools-per-rank {self.max_pools}")
+        return _FULL.decode(payload)
+
+
+def label_values(snapshot: Snapshot) -> list[tuple[str, str]]:
+    """(what, value) of every string the collector turns into a label value."""
+    r = snapshot.runtime
+    out = [
+        ("engine", r.engine),
+        ("model_name", r.model_name),
+        ("role", r.role),
+        ("engine_version", r.engine_version),
+        ("device", r.device),
+        ("schema_version", r.schema_version),
+    ]
+    out += [("pool_name", p.pool_name) for p in snapshot.pools]
+    return out
+
+
+def series_estimate(snapshot: Snapshot) -> int:
+    """An upper bound of the series one target exports for this snapshot."""
+    r = snapshot.runtime
+    n = HEALTH_SERIES + 1 + sum(getattr(r, m.field) is not None for m in md.RUNTIME)
+    per_pool_derived = len(md.POOL_DERIVED)
+    for p in snapshot.pools:
+        n += per_pool_derived + sum(getattr(p, m.field) is not None for m in md.POOL)
+    return n
+
+
+def check(snapshot: Snapshot, budget: Budget) -> None:
+    """Raise `OverBudget` if the decoded snapshot exceeds the label or series budget."""
+    limit = budget.max_label_length
+    for what, value in label_values(snapshot):
+        if len(value) > limit:
+            raise OverBudget(
+                "label_length",
+                f"{what} is {len(value)} characters > --max-label-length {limit}",
+            )
+    series = series_estimate(snapshot)
+    if series > budget.max_series_per_target:
+        raise OverBudget(
+            "series",
+            f"{series} series > --max-series-per-target {budget.max_series_per_target}",
+        )
+
+
+# -- value validation ----------------------------------------------------------
+
+
+def _value_fields(defs: tuple[md.MetricDef, ...], record: type[msgspec.Struct]) -> tuple[str, ...]:
+    names = set(record.__struct_fields__)
+    return tuple(m.field for m in defs if m.field in names)
+
+
+# Every field exported as a value or used in a derived one (labels are strings or
+# small ints rendered as text and cannot break the exposition).
+RUNTIME_VALUE_FIELDS = _value_fields(md.RUNTIME, RuntimeSnapshot)
+POOL_VALUE_FIELDS = _value_fields((*md.POOL, *md.POOL_DERIVED), KVCachePoolSnapshot)
+
+
+def valid_value(value: object) -> bool:
+    """Counts, sizes, timestamps and ratios of the schema are all >= 0 and finite."""
+    if value is None or isinstance(value, bool):
+        return True
+    if isinstance(value, int):
+        return 0 <= value < INT_LIMIT
+    if isinstance(value, float):
+        return math.isfinite(value) and value >= 0.0
+    return False
+
+
+def _clean(record: msgspec.Struct, fields: tuple[str, ...], prefix: str, rejected: dict) -> object:
+    bad = [f for f in fields if not valid_value(getattr(record, f))]
+    if not bad:
+        return record
+    for f in bad:
+        rejected[prefix + f] = rejected.get(prefix + f, 0) + 1
+    return msgspec.structs.replace(record, **dict.fromkeys(bad))
+
+
+def sanitize(snapshot: Snapshot) -> tuple[Snapshot, dict[str, int]]:
+    """The snapshot with every out-of-range value set to None, and {field: count} rejected.
+
+    Field names are ``runtime.<field>`` or ``pool.<field>`` (a bounded label set)."""
+    rejected: dict[str, int] = {}
+    runtime = _clean(snapshot.runtime, RUNTIME_VALUE_FIELDS, "runtime.", rejected)
+    pools = [_clean(p, POOL_VALUE_FIELDS, "pool.", rejected) for p in snapshot.pools]
+    if not rejected:
+        return snapshot, rejected
+    return Snapshot(runtime=runtime, pools=pools), rejected  # type: ignore[arg-type]

@@ -1,0 +1,46 @@
+"""The private default directory (created by the agent with the first engine): its absence
+is "no segment yet" for the daemon and the debugging commands, never an error or an exit."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+
+import pytest
+from click.testing import CliRunner
+
+from kvsidecar.cli import main
+from kvsidecar.daemon import targets as targets_mod
+from kvsidecar.daemon.targets import TargetSet
+from kvsidecar.protocol.writer import SegmentWriter
+from tests.protocol_helpers import sample_snapshot
+
+
+@pytest.fixture
+def missing_default(monkeypatch: pytest.MonkeyPatch):
+    parent = tempfile.mkdtemp(prefix="kvsidecar-default-", dir="/dev/shm")
+    path = os.path.join(parent, "kvsidecar")  # not created: no engine has started yet
+    monkeypatch.setattr(targets_mod, "DEFAULT_SHM_DIR", path)
+    yield path
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def test_missing_default_directory_is_no_segments_then_a_segment(missing_default: str) -> None:
+    ts = TargetSet(missing_default, prefix="kvsidecar.", rediscover_interval=0.0)
+    ts.poll_all()
+    assert ts.targets == {} and ts.discovery_error == "" and ts.discovery_errors_total == {}
+    os.mkdir(missing_default, 0o750)  # what the agent does when the first engine starts
+    with SegmentWriter("kvsidecar.eng.dp0.tp0.pp0", shm_dir=missing_default) as w:
+        w.publish(sample_snapshot(3))
+        ts.poll_all()
+        assert list(ts.targets) == ["kvsidecar.eng.dp0.tp0.pp0"]
+
+
+def test_a_missing_directory_that_was_named_is_still_an_error(tmp_path) -> None:
+    gone = str(tmp_path / "typo")
+    ts = TargetSet(gone, prefix="kvsidecar.", rediscover_interval=0.0)
+    ts.poll_all()
+    assert "cannot list" in ts.discovery_error
+    result = CliRunner().invoke(main, ["dump", "--shm-dir", gone])
+    assert result.exit_code == 2 and "does not exist" in result.output
