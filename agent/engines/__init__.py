@@ -13,6 +13,7 @@ from typing import Any
 
 ENGINES: dict[str, str] = {
     "kvcached": "kvsidecar.agent.engines.kvcached:KvcachedDictAdapter",
+    "vllm": "kvsidecar.agent.engines.vllm:register",
 }
 
 
