@@ -35,7 +35,8 @@ from typing import Any
 
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 
-log = logging.getLogger("kvsidecar.agent.vllm")
+# Under "vllm." so vLLM's own logging configuration (handlers, format, level) shows it.
+log = logging.getLogger("vllm.kvsidecar")
 
 TESTED_VERSIONS = ("0.32.0",)
 
