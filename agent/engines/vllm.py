@@ -30,7 +30,7 @@ import logging
 import os
 import time
 from collections import OrderedDict
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from typing import Any
 
 from kvsidecar.protocol.schema import KVCachePoolSnapshot

@@ -123,7 +123,7 @@ def start_server(
     the installed distribution's entry points, and vLLM would not find the plugin.
     """
     port = int(cmd[cmd.index("--port") + 1])
-    log = open(log_path, "wb")  # noqa: SIM115 -- kept open for the server's lifetime
+    log = open(log_path, "wb")
     proc = subprocess.Popen(
         cmd,
         env={**os.environ, **env},
@@ -208,7 +208,9 @@ def scrape(url: str, timeout: float = 5.0) -> dict[str, list[tuple[dict[str, str
         return parse_metrics(r.read().decode())
 
 
-def value(metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str) -> float:
+def value(
+    metrics: dict[str, list[tuple[dict[str, str], float]]], name: str, **labels: str
+) -> float:
     """The one sample of `name` whose labels include `labels` (KeyError if none)."""
     hits = [
         v for lab, v in metrics.get(name, []) if all(lab.get(k) == x for k, x in labels.items())

@@ -120,7 +120,7 @@ def test_vllm_server_metrics_agree_and_held_kv_is_visible(stack):
 
     # Shared 64-token prefix: the later requests hit the cache (vLLM counts tokens).
     prefix = list(range(10, 74))
-    prompts = [prefix + [200 + i, 300 + i, 400 + i] for i in range(4)]
+    prompts = [[*prefix, 200 + i, 300 + i, 400 + i] for i in range(4)]
     run_requests(stack, prompts[:1])
     run_requests(stack, prompts[1:])
 
@@ -131,7 +131,10 @@ def test_vllm_server_metrics_agree_and_held_kv_is_visible(stack):
     age1 = kvs_pool(stack, "oldest_deferred_free_age_seconds")
     time.sleep(1.0)
     age2 = kvs_pool(stack, "oldest_deferred_free_age_seconds")
-    print(f"held: {held_requests:.0f} requests, {held_blocks:.0f} blocks; age {age1:.2f} -> {age2:.2f}")
+    print(
+        f"held: {held_requests:.0f} requests, {held_blocks:.0f} blocks; "
+        f"age {age1:.2f} -> {age2:.2f}"
+    )
     assert held_blocks >= 3 and held_requests >= 1
     assert age2 >= age1 + 0.5, (age1, age2)
 
@@ -162,7 +165,9 @@ def test_vllm_server_metrics_agree_and_held_kv_is_visible(stack):
     h_vllm = vb.value(v, "vllm:prefix_cache_hits_total", **labels)
     q_kvs = vb.value(k, "kvsidecar_kv_pool_prefix_query_tokens_total", **rank)
     h_kvs = vb.value(k, "kvsidecar_kv_pool_prefix_hit_tokens_total", **rank)
-    print(f"usage during hold {during}, after {after}; prefix queries {q_vllm} vs {q_kvs}, "
-          f"hits {h_vllm} vs {h_kvs}")
+    print(
+        f"usage during hold {during}, after {after}; prefix queries {q_vllm} vs {q_kvs}, "
+        f"hits {h_vllm} vs {h_kvs}"
+    )
     assert (q_kvs, h_kvs) == (q_vllm, h_vllm)
     assert q_vllm == sum(len(p) for p in prompts) and h_vllm >= 3 * 64

@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TINY_LLAMA, engine_env, write_model  # noqa: E402
+from common import TINY_LLAMA, engine_env, write_model
 
 BLOCK = 32
 NUM_GPU_BLOCKS = 64
@@ -129,8 +129,15 @@ def main() -> int:
     deferred_window: dict[str, tuple[int, int]] = {}  # id -> (before, after) of its deferral
     checks = steps = 0
     last_step = -1
-    seen = {"max_deferred_requests": 0, "max_deferred_blocks": 0, "max_cached": 0,
-            "shared_deferred_blocks": 0, "aborts": 0, "releases": 0, "added": 0}
+    seen = {
+        "max_deferred_requests": 0,
+        "max_deferred_blocks": 0,
+        "max_cached": 0,
+        "shared_deferred_blocks": 0,
+        "aborts": 0,
+        "releases": 0,
+        "added": 0,
+    }
 
     def check(where: str, t0: int, t1: int, engine_step: bool | None) -> None:
         nonlocal checks, last_step
@@ -172,7 +179,8 @@ def main() -> int:
         if want["deferred_free_requests"] == 0 and oldest != 0:
             mismatches.append(f"{where}: oldest_deferred_free_mono_ns {oldest} with none deferred")
         holding = [
-            deferred_window[i] for i in want["_deferred_ids"]
+            deferred_window[i]
+            for i in want["_deferred_ids"]
             if i in deferred_window and _holds(sched, i)
         ]
         if holding:
@@ -186,12 +194,16 @@ def main() -> int:
         if last_step >= 0 and rt.step != expect:
             mismatches.append(f"{where}: step {rt.step}, expected {expect}")
         last_step = rt.step
-        seen["max_deferred_requests"] = max(seen["max_deferred_requests"],
-                                            want["deferred_free_requests"])
+        seen["max_deferred_requests"] = max(
+            seen["max_deferred_requests"], want["deferred_free_requests"]
+        )
         seen["max_deferred_blocks"] = max(seen["max_deferred_blocks"], want["deferred_free_blocks"])
         seen["max_cached"] = max(seen["max_cached"], want["cached_blocks"])
-        shared = sum(b.ref_cnt > 1 for b in sched.kv_cache_manager.block_pool.blocks
-                     if not b.is_null and b.block_id in _deferred_block_ids(sched))
+        shared = sum(
+            b.ref_cnt > 1
+            for b in sched.kv_cache_manager.block_pool.blocks
+            if not b.is_null and b.block_id in _deferred_block_ids(sched)
+        )
         seen["shared_deferred_blocks"] = max(seen["shared_deferred_blocks"], shared)
         checks += 1
 
