@@ -112,6 +112,8 @@ def register() -> None:
 
         def get_scheduler_cls(self: Any) -> type:
             cls = original(self)
+            if _disabled():  # checked per engine: KVSIDECAR_DISABLE=1 gives vLLM's own class
+                return cls
             try:
                 return sidecar_scheduler_class(cls)
             except Exception as e:
@@ -610,13 +612,16 @@ class VllmPoolSource:
                 return ret
             return orig_insert(key, block, *a, **kw)
 
-        def _remove_cached_block_hashes(block: Any, *a: Any, **kw: Any) -> Any:
-            if block.ref_cnt == 0 and not block.is_null and block.block_hash is not None:
-                ret = orig_remove(block, *a, **kw)
-                if block.block_hash is None:
-                    src.cached -= 1
-                return ret
-            return orig_remove(block, *a, **kw)
+        def _remove_cached_block_hashes(block: Any) -> Any:
+            # Hot: once per block get_new_blocks hands out. Fast path first: an unhashed or
+            # referenced block cannot leave the cached set (a secondary hash implies a
+            # primary one in this vLLM).
+            if block.block_hash is None or block.ref_cnt:
+                return orig_remove(block)
+            ret = orig_remove(block)
+            if block.block_hash is None and not block.is_null:
+                src.cached -= 1
+            return ret
 
         def reset_prefix_cache(*a: Any, **kw: Any) -> Any:
             ret = orig_reset(*a, **kw)

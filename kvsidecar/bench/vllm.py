@@ -5,10 +5,16 @@ of the vLLM env's Python (``.engine-envs/vllm``, built by ``.ci/engine-env vllm`
 
 from __future__ import annotations
 
+import http.client
 import json
 import os
+import shutil
 import signal
+import statistics
 import subprocess
+import sys
+import tempfile
+import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -218,3 +224,411 @@ def value(
     if len(hits) != 1:
         raise KeyError(f"{name}{labels}: {len(hits)} samples")
     return hits[0]
+
+
+# ---------------------------------------------------------------------- the benchmark
+#
+# ``kvsidecar bench vllm``: three measurements side by side in one run, each interleaved so
+# host noise (this host is shared) hits every condition alike; figures are per-round ratios.
+
+ENGINE_TARGET_RATIO = 0.99  # plugin tok/s >= 99 % of vLLM alone
+OBSERVER_TARGET_RATIO = 1.05  # kvsidecar scraping: ITL p99 <= 1.05x no scraper
+
+SCRAPER = r"""
+import http.client, sys, time
+host, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+hz, seconds = float(sys.argv[4]), float(sys.argv[5])
+conn = http.client.HTTPConnection(host, port, timeout=5)
+period, n, end = 1.0 / hz, 0, time.monotonic() + seconds
+nxt = time.monotonic()
+while time.monotonic() < end:
+    try:
+        conn.request("GET", path); r = conn.getresponse(); r.read(); n += 1
+    except Exception:
+        conn.close(); conn = http.client.HTTPConnection(host, port, timeout=5)
+    nxt += period
+    d = nxt - time.monotonic()
+    if d > 0:
+        time.sleep(d)
+print(n)
+"""
+
+
+def _ratios(values: list[float]) -> dict[str, float]:
+    return {
+        "min": min(values),
+        "median": statistics.median(values),
+        "max": max(values),
+        "n": len(values),
+    }
+
+
+def _engine_proc(python: Path, model_dir: str, env: dict[str, str], disable: bool, cwd: str):
+    e = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    if disable:
+        e["KVSIDECAR_DISABLE"] = "1"
+    else:
+        e.pop("KVSIDECAR_DISABLE", None)
+    proc = subprocess.Popen(
+        [str(python), "-m", "kvsidecar.agent.bench.vllm", "engine", "--model-dir", model_dir],
+        env=e,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL,
+        text=True,
+        cwd=cwd,
+    )
+    return proc
+
+
+def _read_json(proc: subprocess.Popen, timeout: float = 300.0) -> dict[str, Any]:
+    deadline = time.monotonic() + timeout
+    assert proc.stdout is not None
+    while time.monotonic() < deadline:
+        line = proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"engine benchmark process exited ({proc.poll()})")
+        if line.startswith("{"):
+            return json.loads(line)
+    raise RuntimeError("engine benchmark process timed out")
+
+
+def bench_engine(python: Path, tmp: str, env: dict[str, str], rounds: int) -> dict[str, Any]:
+    """tok/s and step time with vs without the plugin: two in-process engines, alternated."""
+    model = write_model(Path(tmp) / "model")
+    procs = {
+        "plugin": _engine_proc(python, model, env, False, tmp),
+        "none": _engine_proc(python, model, env, True, tmp),
+    }
+    try:
+        ready = {k: _read_json(p) for k, p in procs.items()}
+        if not ready["plugin"]["plugin"] or ready["none"]["plugin"]:
+            raise RuntimeError(f"plugin state not as intended: {ready}")
+        per: dict[str, list[dict[str, Any]]] = {"plugin": [], "none": []}
+        for name in ("plugin", "none"):  # warm-up round each, not counted
+            procs[name].stdin.write("round\n")  # type: ignore[union-attr]
+            procs[name].stdin.flush()  # type: ignore[union-attr]
+            _read_json(procs[name])
+        for r in range(rounds):
+            order = ("plugin", "none") if r % 2 == 0 else ("none", "plugin")
+            for name in order:
+                procs[name].stdin.write("round\n")  # type: ignore[union-attr]
+                procs[name].stdin.flush()  # type: ignore[union-attr]
+                per[name].append(_read_json(procs[name]))
+    finally:
+        for p in procs.values():
+            try:
+                p.stdin.write("stop\n")  # type: ignore[union-attr]
+                p.stdin.close()  # type: ignore[union-attr]
+                p.wait(60)
+            except Exception:
+                p.kill()
+    tok = [a["tok_s"] / b["tok_s"] for a, b in zip(per["plugin"], per["none"])]
+    step = [a["step_ms_median"] / b["step_ms_median"] for a, b in zip(per["plugin"], per["none"])]
+    return {
+        "rounds": rounds,
+        "tokens_per_round": per["plugin"][0]["tokens"],
+        "tok_s": {k: statistics.median(x["tok_s"] for x in v) for k, v in per.items()},
+        "step_ms_median": {
+            k: statistics.median(x["step_ms_median"] for x in v) for k, v in per.items()
+        },
+        "tok_s_ratio": _ratios(tok),
+        "step_time_ratio": _ratios(step),
+        "target_tok_s_ratio": ENGINE_TARGET_RATIO,
+    }
+
+
+def bench_adapter(python: Path, tmp: str, env: dict[str, str], quick: bool) -> dict[str, Any]:
+    out = subprocess.run(
+        [
+            str(python),
+            "-m",
+            "kvsidecar.agent.bench.vllm",
+            "adapter",
+            "--calls",
+            "5000" if quick else "50000",
+        ],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=600,
+        cwd=tmp,
+        check=True,
+    )
+    line = [x for x in out.stdout.splitlines() if x.startswith("{")][-1]
+    r = json.loads(line)
+    small, big = r["sizes"]["65"], r["sizes"]["100001"]
+    r["ratio_100k_over_64"] = big["publish_median_ns"] / small["publish_median_ns"]
+    return r
+
+
+class _Load:
+    """Streaming clients back to back (ITL per token) and a /health prober, as threads."""
+
+    def __init__(self, port: int, clients: int, prompt_len: int, max_tokens: int) -> None:
+        self.port, self.clients = port, clients
+        self.prompt_len, self.max_tokens = prompt_len, max_tokens
+        self.itl: list[float] = []
+        self.health: list[float] = []
+        self.tokens = 0
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    def _client(self, k: int) -> None:
+        n = 0
+        while not self._stop.is_set():
+            prompt = [(k * 131 + n * 17 + j * 7) % 997 + 3 for j in range(self.prompt_len)]
+            n += 1
+            conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+            body = json.dumps(
+                {
+                    "model": "tiny",
+                    "prompt": prompt,
+                    "max_tokens": self.max_tokens,
+                    "ignore_eos": True,
+                    "stream": True,
+                }
+            )
+            try:
+                conn.request("POST", "/v1/completions", body, {"Content-Type": "application/json"})
+                resp = conn.getresponse()
+                last = None
+                for raw in resp:
+                    if not raw.startswith(b"data: {"):
+                        continue
+                    now = time.perf_counter()
+                    if last is not None and not self._stop.is_set():
+                        self.itl.append(now - last)
+                    last = now
+                    self.tokens += 1
+            except OSError:
+                time.sleep(0.1)
+            finally:
+                conn.close()
+
+    def _prober(self) -> None:
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+        while not self._stop.wait(0.1):
+            t0 = time.perf_counter()
+            try:
+                conn.request("GET", "/health")
+                conn.getresponse().read()
+                self.health.append(time.perf_counter() - t0)
+            except OSError:
+                conn.close()
+                conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=10)
+
+    def start(self) -> None:
+        for k in range(self.clients):
+            self._threads.append(threading.Thread(target=self._client, args=(k,), daemon=True))
+        self._threads.append(threading.Thread(target=self._prober, daemon=True))
+        for t in self._threads:
+            t.start()
+
+    def window(self, seconds: float) -> dict[str, float]:
+        """Measure one window (samples since the previous window are dropped)."""
+        self.itl.clear()
+        self.health.clear()
+        t0, tok0 = time.perf_counter(), self.tokens
+        time.sleep(seconds)
+        itl, health = sorted(self.itl), sorted(self.health)
+        wall = time.perf_counter() - t0
+
+        def pct(v: list[float], q: float) -> float:
+            return v[min(len(v) - 1, int(len(v) * q))] * 1e3 if v else float("nan")
+
+        return {
+            "tok_s": (self.tokens - tok0) / wall,
+            "itl_p50_ms": pct(itl, 0.5),
+            "itl_p99_ms": pct(itl, 0.99),
+            "health_p50_ms": pct(health, 0.5),
+            "health_p99_ms": pct(health, 0.99),
+            "itl_n": len(itl),
+        }
+
+    def stop(self) -> None:
+        self._stop.set()
+        for t in self._threads:
+            t.join(70)
+
+
+CONDITIONS = ("none", "vllm@20", "vllm@50", "kvsidecar@20", "kvsidecar@50")
+
+
+def bench_observer(
+    python: Path, tmp: str, env: dict[str, str], rounds: int, window_s: float
+) -> dict[str, Any]:
+    """ITL and /health latency on the real server with no scraper, vLLM's /metrics scraped
+    at 20 and 50 Hz, and kvsidecar's /metrics at the same rates (scraper in its own process).
+    """
+    from kvsidecar.bench import fleet
+
+    shm = Path(tmp) / "shm"
+    shm.mkdir(exist_ok=True)
+    port = fleet.free_port()
+    cmd = server_command(python, write_model(Path(tmp) / "model"), port, num_gpu_blocks=512)
+    server = start_server(cmd, {**env, "KVSIDECAR_SHM_DIR": str(shm)}, Path(tmp) / "server.log")
+    daemon = None
+    load = _Load(port, clients=4, prompt_len=64, max_tokens=64)
+    try:
+        daemon, kurl = fleet.start_daemon(str(shm), timeout=60)
+        kport = int(kurl.rsplit(":", 1)[1])
+        load.start()
+        time.sleep(3.0)  # warm-up
+        per: dict[str, list[dict[str, float]]] = {c: [] for c in CONDITIONS}
+        for r in range(rounds):
+            k = r % len(CONDITIONS)
+            for cond in CONDITIONS[k:] + CONDITIONS[:k]:  # rotated order each round
+                scraper = None
+                if cond != "none":
+                    target, hz = cond.split("@")
+                    sport = port if target == "vllm" else kport
+                    scraper = subprocess.Popen(
+                        [
+                            sys.executable,
+                            "-c",
+                            SCRAPER,
+                            "127.0.0.1",
+                            str(sport),
+                            "/metrics",
+                            hz,
+                            str(window_s + 2.0),
+                        ],
+                        stdout=subprocess.PIPE,
+                        text=True,
+                    )
+                    time.sleep(0.5)
+                w = load.window(window_s)
+                if scraper is not None:
+                    out, _ = scraper.communicate(timeout=30)
+                    w["scrapes"] = int(out.strip() or 0)
+                per[cond].append(w)
+    finally:
+        load.stop()
+        if daemon is not None:
+            daemon.terminate()
+            try:
+                daemon.wait(10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+        stop_server(server)
+    base = per["none"]
+    table: dict[str, Any] = {}
+    for cond in CONDITIONS:
+        rows = per[cond]
+        entry: dict[str, Any] = {
+            k: statistics.median(x[k] for x in rows)
+            for k in ("tok_s", "itl_p50_ms", "itl_p99_ms", "health_p50_ms", "health_p99_ms")
+        }
+        for k in ("tok_s", "itl_p50_ms", "itl_p99_ms", "health_p99_ms"):
+            entry[f"{k}_ratio"] = _ratios([a[k] / b[k] for a, b in zip(rows, base)])
+        table[cond] = entry
+    return {
+        "rounds": rounds,
+        "window_s": window_s,
+        "clients": 4,
+        "conditions": table,
+        "target_itl_p99_ratio": OBSERVER_TARGET_RATIO,
+    }
+
+
+def run(quick: bool = False) -> dict[str, Any]:
+    """Every part; raises RuntimeError when the vLLM env is missing (the CLI skips then)."""
+    python = vllm_python()
+    if python is None:
+        raise RuntimeError("no vLLM environment: build it with `bash .ci/engine-env vllm`")
+    tmp = tempfile.mkdtemp(prefix="kvsidecar-bench-vllm-")
+    env = engine_env(cache_root=os.path.join(tmp, "vllm-cache"))
+    env["KVSIDECAR_SHM_DIR"] = os.path.join(tmp, "shm-engine")
+    os.makedirs(env["KVSIDECAR_SHM_DIR"], exist_ok=True)
+    try:
+        return {
+            "quick": quick,
+            "note": "shared 2-core host: figures are noisy; medians of per-round ratios",
+            "adapter": bench_adapter(python, tmp, env, quick),
+            "engine": bench_engine(python, tmp, env, rounds=2 if quick else 10),
+            "observer": bench_observer(
+                python, tmp, env, rounds=1 if quick else 4, window_s=4.0 if quick else 15.0
+            ),
+        }
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fmt_ratio(r: dict[str, float]) -> str:
+    return f"{r['median']:.3f} [{r['min']:.3f}..{r['max']:.3f}]"
+
+
+def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    """(title, headers, rows) for the CLI; ratios are median [min..max] over rounds."""
+    a, e, o = r["adapter"], r["engine"], r["observer"]
+    out = [
+        (
+            "vllm adapter: snapshot()+publish per step over a real vLLM BlockPool",
+            ["blocks", "publish median ns", "publish p99 ns", "snapshot median ns"],
+            [
+                [v["blocks"], v["publish_median_ns"], v["publish_p99_ns"], v["snapshot_median_ns"]]
+                for v in a["sizes"].values()
+            ],
+        ),
+        (
+            f"vllm hooks: get_new_blocks+free_blocks per block (ratio 100k/64 publish: "
+            f"{a['ratio_100k_over_64']:.2f})",
+            ["plain ns/block", "hooked ns/block"],
+            [[a["hook_ns_per_block"]["plain"], a["hook_ns_per_block"]["hooked"]]],
+        ),
+        (
+            f"vllm engine: plugin vs none, {e['rounds']} interleaved rounds x "
+            f"{e['tokens_per_round']} tokens (target tok/s ratio >= {e['target_tok_s_ratio']})",
+            [
+                "",
+                "tok/s plugin",
+                "tok/s none",
+                "tok/s ratio",
+                "step ms plugin",
+                "step ms none",
+                "step ratio",
+            ],
+            [
+                [
+                    "median [min..max]",
+                    e["tok_s"]["plugin"],
+                    e["tok_s"]["none"],
+                    _fmt_ratio(e["tok_s_ratio"]),
+                    e["step_ms_median"]["plugin"],
+                    e["step_ms_median"]["none"],
+                    _fmt_ratio(e["step_time_ratio"]),
+                ]
+            ],
+        ),
+        (
+            f"vllm observer: real server, {o['clients']} streaming clients, {o['rounds']} rounds "
+            f"x {o['window_s']:g} s per condition, rotated (ratios to 'none' per round)",
+            [
+                "condition",
+                "tok/s",
+                "ITL p50 ms",
+                "ITL p99 ms",
+                "/health p99 ms",
+                "tok/s ratio",
+                "ITL p50 ratio",
+                "ITL p99 ratio",
+                "/health p99 ratio",
+            ],
+            [
+                [
+                    c,
+                    v["tok_s"],
+                    v["itl_p50_ms"],
+                    v["itl_p99_ms"],
+                    v["health_p99_ms"],
+                    _fmt_ratio(v["tok_s_ratio"]),
+                    _fmt_ratio(v["itl_p50_ms_ratio"]),
+                    _fmt_ratio(v["itl_p99_ms_ratio"]),
+                    _fmt_ratio(v["health_p99_ms_ratio"]),
+                ]
+                for c, v in o["conditions"].items()
+            ],
+        ),
+    ]
+    return out
