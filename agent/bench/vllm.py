@@ -27,19 +27,9 @@ os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 def engine_main(model_dir: str, requests: int, prompt_len: int, max_tokens: int) -> int:
     from vllm import LLM, SamplingParams
 
-    llm = LLM(
-        model=model_dir,
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        num_gpu_blocks_override=512,
-        block_size=32,
-        max_model_len=1024,
-        max_num_seqs=requests,
-        seed=0,
-    )
+    from kvsidecar.bench.vllm import llm_kwargs
+
+    llm = LLM(**llm_kwargs(model_dir, num_gpu_blocks_override=512, max_num_seqs=requests, seed=0))
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
     plugin = getattr(sched, "_kvsidecar", None) is not None
@@ -102,21 +92,24 @@ def adapter_main(sizes: list[int], calls: int) -> int:
         block_size = 32
         page_size_bytes = 2 * 32 * 8 * 128 * 2
 
+    def source(pool: Any, layers: int) -> Any:
+        return VllmPoolSource(
+            pool,
+            group_id=0,
+            pool_name="block_pool",
+            specs=[_Spec()],
+            num_layers=layers,
+            mapped_bytes=0,
+            manager=None,
+            managers=[],
+        )
+
     shm = tempfile.mkdtemp(prefix="kvsidecar-bench-vllm-", dir="/dev/shm")
     result: dict[str, Any] = {"sizes": {}}
     try:
         for size in sizes:
             pool = BlockPool(size, enable_caching=True, hash_block_size=32)
-            src = VllmPoolSource(
-                pool,
-                group_id=0,
-                pool_name="block_pool",
-                specs=[_Spec()],
-                num_layers=32,
-                mapped_bytes=0,
-                manager=None,
-                managers=[],
-            )
+            src = source(pool, 32)
             # A busy pool: half the blocks held, a quarter of those freed back.
             held = pool.get_new_blocks((size - 1) // 2)
             pool.free_blocks(held[: len(held) // 4])
@@ -142,17 +135,8 @@ def adapter_main(sizes: list[int], calls: int) -> int:
         # Hook cost per block: the same get/free on a pool with and without our wrappers.
         hooks: dict[str, list[float]] = {"plain": [], "hooked": []}
         pools = {"plain": BlockPool(4097, True, 32), "hooked": BlockPool(4097, True, 32)}
-        VllmPoolSource(
-            pools["hooked"],
-            group_id=0,
-            pool_name="b",
-            specs=[_Spec()],
-            num_layers=1,
-            mapped_bytes=0,
-            manager=None,
-            managers=[],
-        )
-        for _ in range(30):
+        source(pools["hooked"], 1)
+        for _ in range(60):
             for name in ("plain", "hooked"):
                 p = pools[name]
                 t0 = time.perf_counter_ns()

@@ -45,6 +45,33 @@ TINY_LLAMA: dict[str, Any] = {
 }
 
 
+# The benchmark's model: big enough that a step takes ~10 ms here, like the figures in
+# the research notes (hidden 512, 4 layers, head_dim 64), so clients can keep up with it.
+BENCH_MODEL: dict[str, Any] = {
+    "hidden_size": 512,
+    "intermediate_size": 1376,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 8,
+    "head_dim": 64,
+}
+
+
+def llm_kwargs(model_dir: str, **over: Any) -> dict[str, Any]:
+    """`vllm.LLM` arguments for the tiny model on CPU (dummy weights, no tokenizer)."""
+    return {
+        "model": model_dir,
+        "load_format": "dummy",
+        "skip_tokenizer_init": True,
+        "dtype": "float32",
+        "enforce_eager": True,
+        "enable_prefix_caching": True,
+        "block_size": 32,
+        "max_model_len": 1024,
+        **over,
+    }
+
+
 def vllm_python() -> Path | None:
     """The vLLM env's Python, or None when it has not been built."""
     override = os.environ.get("KVSIDECAR_VLLM_PYTHON")
@@ -295,7 +322,7 @@ def _read_json(proc: subprocess.Popen, timeout: float = 300.0) -> dict[str, Any]
 
 def bench_engine(python: Path, tmp: str, env: dict[str, str], rounds: int) -> dict[str, Any]:
     """tok/s and step time with vs without the plugin: two in-process engines, alternated."""
-    model = write_model(Path(tmp) / "model")
+    model = write_model(Path(tmp) / "bench-model", **BENCH_MODEL)
     procs = {
         "plugin": _engine_proc(python, model, env, False, tmp),
         "none": _engine_proc(python, model, env, True, tmp),
@@ -466,7 +493,8 @@ def bench_observer(
     shm = Path(tmp) / "shm"
     shm.mkdir(exist_ok=True)
     port = fleet.free_port()
-    cmd = server_command(python, write_model(Path(tmp) / "model"), port, num_gpu_blocks=512)
+    model = write_model(Path(tmp) / "bench-model", **BENCH_MODEL)
+    cmd = server_command(python, model, port, num_gpu_blocks=512)
     server = start_server(cmd, {**env, "KVSIDECAR_SHM_DIR": str(shm)}, Path(tmp) / "server.log")
     daemon = None
     load = _Load(port, clients=4, prompt_len=64, max_tokens=64)

@@ -17,14 +17,15 @@ DRIVER = ROOT / "tests" / "engines" / "vllm_helpers" / "accounting_driver.py"
 
 
 @pytest.mark.timeout(420)
-def test_vllm_published_fields_equal_brute_force_recount_every_step(tmp_path):
+def test_vllm_published_fields_equal_brute_force_recount_every_step(tmp_path, tmp_path_factory):
     proc = run_in_engine_env(
         "vllm",
         [str(DRIVER), "--model-dir", str(tmp_path / "model"), "--steps", "300", "--seed", "1"],
         timeout=400,
         env={
             "KVSIDECAR_SHM_DIR": str(tmp_path),
-            "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
+            # One compile cache for the session's vLLM tests (saves ~20 s per engine start).
+            "VLLM_CACHE_ROOT": str(tmp_path_factory.getbasetemp() / "vllm-cache"),
         },
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]

@@ -39,14 +39,14 @@ def test_register_without_vllm_is_a_no_op():
 
 
 @pytest.mark.timeout(300)
-def test_missing_hook_point_disables_with_one_line_and_engine_runs(tmp_path):
+def test_missing_hook_point_disables_with_one_line_and_engine_runs(tmp_path, tmp_path_factory):
     shm = tmp_path / "shm"
     shm.mkdir()
     proc = run_in_engine_env(
         "vllm",
         [str(DRIVER), str(tmp_path / "model"), str(shm)],
         timeout=280,
-        env={"VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache")},
+        env={"VLLM_CACHE_ROOT": str(tmp_path_factory.getbasetemp() / "vllm-cache")},
     )
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])

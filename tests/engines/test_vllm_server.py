@@ -33,7 +33,7 @@ def stack(tmp_path_factory):
     shm.mkdir()
     port = fleet.free_port()
     env = {
-        **vb.engine_env(cache_root=str(tmp / "vllm-cache")),
+        **vb.engine_env(cache_root=str(tmp_path_factory.getbasetemp() / "vllm-cache")),
         "KVSIDECAR_SHM_DIR": str(shm),
     }
     env.pop("VLLM_PLUGINS", None)

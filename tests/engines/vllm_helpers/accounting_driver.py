@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TINY_LLAMA, engine_env, write_model
+from common import TINY_LLAMA, engine_env, llm_kwargs, write_model
 
 BLOCK = 32
 NUM_GPU_BLOCKS = 64
@@ -76,24 +76,19 @@ def main() -> int:
     rng = random.Random(args.seed)
     t_start = time.monotonic()
     llm = LLM(
-        model=write_model(args.model_dir),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        num_gpu_blocks_override=NUM_GPU_BLOCKS,
-        block_size=BLOCK,
-        max_model_len=1024,
-        max_num_seqs=8,
-        max_num_batched_tokens=512,
-        disable_log_stats=False,  # vLLM's own prefix counters, to compare ours with
-        seed=args.seed,
-        kv_transfer_config={
-            "kv_connector": "HoldConnector",
-            "kv_connector_module_path": "kvsidecar_hold_connector",
-            "kv_role": "kv_producer",
-        },
+        **llm_kwargs(
+            write_model(args.model_dir),
+            num_gpu_blocks_override=NUM_GPU_BLOCKS,
+            max_num_seqs=8,
+            max_num_batched_tokens=512,
+            disable_log_stats=False,  # vLLM's own prefix counters, to compare ours with
+            seed=args.seed,
+            kv_transfer_config={
+                "kv_connector": "HoldConnector",
+                "kv_connector_module_path": "kvsidecar_hold_connector",
+                "kv_role": "kv_producer",
+            },
+        )
     )
     ready_s = time.monotonic() - t_start
     engine = llm.llm_engine

@@ -13,7 +13,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import engine_env, write_model
+from common import engine_env, llm_kwargs, write_model
 
 
 def main() -> int:
@@ -37,17 +37,7 @@ def main() -> int:
     from vllm.v1.core.block_pool import BlockPool
 
     del BlockPool.unpin_blocks  # a hook point this vLLM "does not have"
-    llm = LLM(
-        model=write_model(model_dir),
-        load_format="dummy",
-        skip_tokenizer_init=True,
-        dtype="float32",
-        enforce_eager=True,
-        enable_prefix_caching=True,
-        num_gpu_blocks_override=64,
-        block_size=32,
-        max_model_len=512,
-    )
+    llm = LLM(**llm_kwargs(write_model(model_dir), num_gpu_blocks_override=64))
     outs = llm.generate(
         [{"prompt_token_ids": list(range(5, 45))}],
         SamplingParams(max_tokens=6, ignore_eos=True, detokenize=False),
