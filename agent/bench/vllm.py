@@ -1,10 +1,10 @@
 """In-engine halves of ``kvsidecar bench vllm`` (run inside the vLLM env, by
 kvsidecar/bench/vllm.py; this is the only bench module that imports vLLM).
 
-``python -m kvsidecar.agent.bench.vllm engine --model-dir D``: an in-process `LLM` (plugin
-on, or off with KVSIDECAR_DISABLE=1) that runs one workload per ``round`` line on stdin and
-prints one JSON line per round (tokens/s, per-step wall time). Two of these, one with and
-one without the plugin, are driven alternately so host noise hits both alike.
+``python -m kvsidecar.agent.bench.vllm engine --model-dir D``: an in-process `LLM` with the
+plugin that runs one workload per ``round on|off`` line on stdin (the plugin switched on or
+off in between, `PluginSwitch`) and prints one JSON line per round (tokens/s, per-step wall
+time). One process for both conditions: same memory, same CPU placement, interleaved.
 
 ``python -m kvsidecar.agent.bench.vllm adapter``: snapshot()+publish cost per step of the
 adapter over real vLLM ``BlockPool`` objects of 64 and 100,001 blocks, and the per-block
@@ -24,6 +24,31 @@ from typing import Any
 os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
 
 
+class PluginSwitch:
+    """Turn the plugin off and on again inside one engine, for a same-process comparison:
+    off = vLLM's own scheduler class and the pool's/manager's own methods (our instance
+    wrappers removed); on = ours again. Only for benchmarks: counts go stale while off."""
+
+    def __init__(self, sched: Any) -> None:
+        self.sched = sched
+        self.ours = type(sched)
+        self.vllms = next(c for c in self.ours.__mro__[1:] if not c.__name__.startswith("KVS"))
+        mgr = sched.kv_cache_manager
+        self.saved = [
+            (obj, {k: v for k, v in vars(obj).items() if callable(v) and hasattr(type(obj), k)})
+            for obj in (mgr, mgr.block_pool)
+        ]
+
+    def set(self, on: bool) -> None:
+        self.sched.__class__ = self.ours if on else self.vllms
+        for obj, wrappers in self.saved:
+            for name, fn in wrappers.items():
+                if on:
+                    setattr(obj, name, fn)
+                else:
+                    vars(obj).pop(name, None)
+
+
 def engine_main(model_dir: str, requests: int, prompt_len: int, max_tokens: int) -> int:
     from vllm import LLM, SamplingParams
 
@@ -33,19 +58,26 @@ def engine_main(model_dir: str, requests: int, prompt_len: int, max_tokens: int)
     engine = llm.llm_engine
     sched = engine.engine_core.engine_core.scheduler
     plugin = getattr(sched, "_kvsidecar", None) is not None
-    print(json.dumps({"ready": True, "plugin": plugin, "scheduler": type(sched).__name__}))
+    switch = PluginSwitch(sched) if plugin else None
+    wrapped = sum(len(w) for _, w in switch.saved) if switch else 0
+    print(json.dumps({"ready": True, "plugin": plugin, "wrapped_methods": wrapped}))
     sys.stdout.flush()
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, detokenize=False)
     n = 0
     for line in sys.stdin:
         if not line.startswith("round"):
             break
+        on = line.split()[1:] == ["on"]
+        if switch is not None:
+            switch.set(on)
         # Distinct prompts per round: no prefix hits between rounds, the same work each time.
         for i in range(requests):
             base = 3 + (n * requests + i) * 7 % 900
             prompt = [(base + j * 13) % 997 + 3 for j in range(prompt_len)]
             engine.add_request(f"b{n}-{i}", {"prompt_token_ids": prompt}, params)
         n += 1
+        src = sched._kvsidecar.sources[0] if switch is not None else None
+        ops0 = src.stats.allocs_total + src.stats.frees_total if src is not None else 0
         steps: list[float] = []
         tokens = 0
         t0 = time.perf_counter()
@@ -65,6 +97,11 @@ def engine_main(model_dir: str, requests: int, prompt_len: int, max_tokens: int)
                     "wall_s": wall,
                     "steps": len(steps),
                     "step_ms_median": statistics.median(steps) / 1e6,
+                    "plugin": on and switch is not None,
+                    # block allocs + frees our hooks saw this round (only meaningful when on)
+                    "block_ops": (src.stats.allocs_total + src.stats.frees_total - ops0)
+                    if src is not None
+                    else 0,
                 }
             )
         )

@@ -291,11 +291,15 @@ class VllmSidecar:
         agent = KVSidecarAgent(**ident, heartbeat_interval=1.0)
         if not agent.enabled:
             return None
-        sources = VllmPoolSource.for_manager(manager, scheduler.kv_cache_config)
-        for src in sources:
-            agent.register_pool(src)
+        try:
+            sources = VllmPoolSource.for_manager(manager, scheduler.kv_cache_config)
+            for src in sources:
+                agent.register_pool(src)
+        except Exception:
+            agent.close()  # no half-set-up segment left behind
+            raise
         sidecar = cls(agent, sources)
-        sidecar.publish(scheduler)
+        sidecar.publish(scheduler, engine_step=False)  # visible before the first step
         log.info(
             "kvsidecar: publishing vLLM %s engine core (dp_rank %d) to %s",
             version,
@@ -559,11 +563,18 @@ class VllmPoolSource:
                 _fail("get_new_blocks", e)
             return ret
 
+        # Blocks know their pool when a free may mix pools (vLLM >= 0.32); older ones don't.
+        mixed = bool(pool.blocks) and hasattr(pool.blocks[0], "pool")
+
         def _count_released(blocks: list[Any]) -> None:
             seen: set[int] = set()
             cached = 0
             for b in blocks:
-                if b.ref_cnt == 0 and not b.is_null and (b.pool is None or b.pool is pool):
+                if (
+                    b.ref_cnt == 0
+                    and not b.is_null
+                    and (not mixed or b.pool is None or b.pool is pool)
+                ):
                     bid = b.block_id
                     if bid not in seen:
                         seen.add(bid)

@@ -321,39 +321,45 @@ def _read_json(proc: subprocess.Popen, timeout: float = 300.0) -> dict[str, Any]
 
 
 def bench_engine(python: Path, tmp: str, env: dict[str, str], rounds: int) -> dict[str, Any]:
-    """tok/s and step time with vs without the plugin: two in-process engines, alternated."""
+    """tok/s and step time with vs without the plugin, in one in-process engine whose plugin
+    is switched off and on between rounds (rotated order), so both see the same host."""
     model = write_model(Path(tmp) / "bench-model", **BENCH_MODEL)
-    procs = {
-        "plugin": _engine_proc(python, model, env, False, tmp),
-        "none": _engine_proc(python, model, env, True, tmp),
-    }
+    proc = _engine_proc(python, model, env, False, tmp)
+
+    def round_(on: bool) -> dict[str, Any]:
+        proc.stdin.write(f"round {'on' if on else 'off'}\n")  # type: ignore[union-attr]
+        proc.stdin.flush()  # type: ignore[union-attr]
+        return _read_json(proc)
+
     try:
-        ready = {k: _read_json(p) for k, p in procs.items()}
-        if not ready["plugin"]["plugin"] or ready["none"]["plugin"]:
-            raise RuntimeError(f"plugin state not as intended: {ready}")
+        ready = _read_json(proc)
+        if not ready["plugin"]:
+            raise RuntimeError(f"the plugin is not active in the benchmark engine: {ready}")
+        round_(True), round_(False)  # warm-up, not counted
         per: dict[str, list[dict[str, Any]]] = {"plugin": [], "none": []}
-        for name in ("plugin", "none"):  # warm-up round each, not counted
-            procs[name].stdin.write("round\n")  # type: ignore[union-attr]
-            procs[name].stdin.flush()  # type: ignore[union-attr]
-            _read_json(procs[name])
         for r in range(rounds):
-            order = ("plugin", "none") if r % 2 == 0 else ("none", "plugin")
-            for name in order:
-                procs[name].stdin.write("round\n")  # type: ignore[union-attr]
-                procs[name].stdin.flush()  # type: ignore[union-attr]
-                per[name].append(_read_json(procs[name]))
+            for on in (True, False) if r % 2 == 0 else (False, True):
+                res = round_(on)
+                per["plugin" if res["plugin"] else "none"].append(res)
     finally:
-        for p in procs.values():
-            try:
-                p.stdin.write("stop\n")  # type: ignore[union-attr]
-                p.stdin.close()  # type: ignore[union-attr]
-                p.wait(60)
-            except Exception:
-                p.kill()
+        try:
+            proc.stdin.write("stop\n")  # type: ignore[union-attr]
+            proc.stdin.close()  # type: ignore[union-attr]
+            proc.wait(60)
+        except Exception:
+            proc.kill()
     tok = [a["tok_s"] / b["tok_s"] for a, b in zip(per["plugin"], per["none"])]
     step = [a["step_ms_median"] / b["step_ms_median"] for a, b in zip(per["plugin"], per["none"])]
+    on = per["plugin"]
     return {
         "rounds": rounds,
+        "method": "one engine, plugin switched off/on between rounds, order rotated",
+        # Per round with the plugin on: steps and block allocs+frees, to derive the
+        # plugin's own CPU per step from the adapter part's costs (noise-free estimate).
+        "steps_per_round": statistics.median(x["steps"] for x in on),
+        "block_ops_per_round": statistics.median(x["block_ops"] for x in on),
+        "wall_s_per_round": statistics.median(x["wall_s"] for x in on),
+        "wrapped_methods": ready["wrapped_methods"],
         "tokens_per_round": per["plugin"][0]["tokens"],
         "tok_s": {k: statistics.median(x["tok_s"] for x in v) for k, v in per.items()},
         "step_ms_median": {
@@ -560,8 +566,13 @@ def bench_observer(
     }
 
 
-def run(quick: bool = False) -> dict[str, Any]:
-    """Every part; raises RuntimeError when the vLLM env is missing (the CLI skips then)."""
+PARTS = ("adapter", "engine", "observer")
+
+
+def run(
+    quick: bool = False, parts: tuple[str, ...] = PARTS, rounds: int | None = None
+) -> dict[str, Any]:
+    """The chosen parts; raises RuntimeError when the vLLM env is missing."""
     python = vllm_python()
     if python is None:
         raise RuntimeError("no vLLM environment: build it with `bash .ci/engine-env vllm`")
@@ -570,15 +581,29 @@ def run(quick: bool = False) -> dict[str, Any]:
     env["KVSIDECAR_SHM_DIR"] = os.path.join(tmp, "shm-engine")
     os.makedirs(env["KVSIDECAR_SHM_DIR"], exist_ok=True)
     try:
-        return {
+        out: dict[str, Any] = {
             "quick": quick,
             "note": "shared 2-core host: figures are noisy; medians of per-round ratios",
-            "adapter": bench_adapter(python, tmp, env, quick),
-            "engine": bench_engine(python, tmp, env, rounds=2 if quick else 10),
-            "observer": bench_observer(
-                python, tmp, env, rounds=1 if quick else 4, window_s=4.0 if quick else 15.0
-            ),
         }
+        if "adapter" in parts:
+            out["adapter"] = bench_adapter(python, tmp, env, quick)
+        if "engine" in parts:
+            e = out["engine"] = bench_engine(python, tmp, env, rounds or (2 if quick else 10))
+            if "adapter" in out:
+                a = out["adapter"]
+                hook = a["hook_ns_per_block"]["hooked"] - a["hook_ns_per_block"]["plain"]
+                publish = a["sizes"]["65"]["publish_median_ns"]
+                cpu_ns = e["steps_per_round"] * publish + e["block_ops_per_round"] * hook / 2
+                e["derived_overhead_pct"] = 100 * cpu_ns / (e["wall_s_per_round"] * 1e9)
+        if "observer" in parts:
+            out["observer"] = bench_observer(
+                python,
+                tmp,
+                env,
+                rounds=rounds or (1 if quick else 4),
+                window_s=4.0 if quick else 15.0,
+            )
+        return out
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
@@ -589,74 +614,90 @@ def _fmt_ratio(r: dict[str, float]) -> str:
 
 def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
     """(title, headers, rows) for the CLI; ratios are median [min..max] over rounds."""
-    a, e, o = r["adapter"], r["engine"], r["observer"]
-    out = [
-        (
-            "vllm adapter: snapshot()+publish per step over a real vLLM BlockPool",
-            ["blocks", "publish median ns", "publish p99 ns", "snapshot median ns"],
-            [
-                [v["blocks"], v["publish_median_ns"], v["publish_p99_ns"], v["snapshot_median_ns"]]
-                for v in a["sizes"].values()
-            ],
-        ),
-        (
-            f"vllm hooks: get_new_blocks+free_blocks per block (ratio 100k/64 publish: "
-            f"{a['ratio_100k_over_64']:.2f})",
-            ["plain ns/block", "hooked ns/block"],
-            [[a["hook_ns_per_block"]["plain"], a["hook_ns_per_block"]["hooked"]]],
-        ),
-        (
-            f"vllm engine: plugin vs none, {e['rounds']} interleaved rounds x "
-            f"{e['tokens_per_round']} tokens (target tok/s ratio >= {e['target_tok_s_ratio']})",
-            [
-                "",
-                "tok/s plugin",
-                "tok/s none",
-                "tok/s ratio",
-                "step ms plugin",
-                "step ms none",
-                "step ratio",
-            ],
-            [
+    out: list[tuple[str, list[str], list[list[Any]]]] = []
+    if a := r.get("adapter"):
+        out.append(
+            (
+                "vllm adapter: snapshot()+publish per step over a real vLLM BlockPool "
+                f"(ratio 100k/64 blocks: {a['ratio_100k_over_64']:.2f})",
+                ["blocks", "publish median ns", "publish p99 ns", "snapshot median ns"],
                 [
-                    "median [min..max]",
-                    e["tok_s"]["plugin"],
-                    e["tok_s"]["none"],
-                    _fmt_ratio(e["tok_s_ratio"]),
-                    e["step_ms_median"]["plugin"],
-                    e["step_ms_median"]["none"],
-                    _fmt_ratio(e["step_time_ratio"]),
-                ]
-            ],
-        ),
-        (
-            f"vllm observer: real server, {o['clients']} streaming clients, {o['rounds']} rounds "
-            f"x {o['window_s']:g} s per condition, rotated (ratios to 'none' per round)",
-            [
-                "condition",
-                "tok/s",
-                "ITL p50 ms",
-                "ITL p99 ms",
-                "/health p99 ms",
-                "tok/s ratio",
-                "ITL p50 ratio",
-                "ITL p99 ratio",
-                "/health p99 ratio",
-            ],
-            [
+                    [
+                        b["blocks"],
+                        b["publish_median_ns"],
+                        b["publish_p99_ns"],
+                        b["snapshot_median_ns"],
+                    ]
+                    for b in a["sizes"].values()
+                ],
+            )
+        )
+        h = a["hook_ns_per_block"]
+        out.append(
+            (
+                "vllm hooks: get_new_blocks + free_blocks, ns per block",
+                ["vLLM alone", "with our wrappers"],
+                [[h["plain"], h["hooked"]]],
+            )
+        )
+    if e := r.get("engine"):
+        out.append(
+            (
+                f"vllm engine: plugin vs none, {e['rounds']} interleaved rounds x "
+                f"{e['tokens_per_round']} tokens (target tok/s ratio >= {e['target_tok_s_ratio']}"
+                f"); plugin CPU derived from the adapter costs: "
+                f"{e.get('derived_overhead_pct', float('nan')):.3f} % of the wall time",
                 [
-                    c,
-                    v["tok_s"],
-                    v["itl_p50_ms"],
-                    v["itl_p99_ms"],
-                    v["health_p99_ms"],
-                    _fmt_ratio(v["tok_s_ratio"]),
-                    _fmt_ratio(v["itl_p50_ms_ratio"]),
-                    _fmt_ratio(v["itl_p99_ms_ratio"]),
-                    _fmt_ratio(v["health_p99_ms_ratio"]),
-                ]
-                for c, v in o["conditions"].items()
-            ],
-        ),
-    ]
+                    "tok/s plugin",
+                    "tok/s none",
+                    "tok/s ratio",
+                    "step ms plugin",
+                    "step ms none",
+                    "step ratio",
+                ],
+                [
+                    [
+                        e["tok_s"]["plugin"],
+                        e["tok_s"]["none"],
+                        _fmt_ratio(e["tok_s_ratio"]),
+                        e["step_ms_median"]["plugin"],
+                        e["step_ms_median"]["none"],
+                        _fmt_ratio(e["step_time_ratio"]),
+                    ]
+                ],
+            )
+        )
+    if o := r.get("observer"):
+        out.append(
+            (
+                f"vllm observer: real server, {o['clients']} streaming clients, {o['rounds']} "
+                f"rounds x {o['window_s']:g} s per condition, rotated (ratios: median [min..max] "
+                "of per-round ratios to 'none')",
+                [
+                    "condition",
+                    "tok/s",
+                    "ITL p50 ms",
+                    "ITL p99 ms",
+                    "/health p99 ms",
+                    "tok/s",
+                    "ITL p50",
+                    "ITL p99",
+                    "/health p99",
+                ],
+                [
+                    [
+                        c,
+                        v["tok_s"],
+                        v["itl_p50_ms"],
+                        v["itl_p99_ms"],
+                        v["health_p99_ms"],
+                        _fmt_ratio(v["tok_s_ratio"]),
+                        _fmt_ratio(v["itl_p50_ms_ratio"]),
+                        _fmt_ratio(v["itl_p99_ms_ratio"]),
+                        _fmt_ratio(v["health_p99_ms_ratio"]),
+                    ]
+                    for c, v in o["conditions"].items()
+                ],
+            )
+        )
     return out
