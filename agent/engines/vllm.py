@@ -225,6 +225,15 @@ def _served_model_name(model_config: Any) -> str:
     return str(name or getattr(model_config, "model", "") or "")
 
 
+def _dp_rank(par: Any) -> int:
+    # data_parallel_index is the engine's DP rank for MoE and dense models alike;
+    # data_parallel_rank is reset to 0 for dense DP ranks (older vLLM: only the latter).
+    index = getattr(par, "data_parallel_index", None)
+    if index is None:
+        index = getattr(par, "data_parallel_rank", 0)
+    return int(index or 0)
+
+
 def identity(vllm_config: Any) -> dict[str, Any]:
     """KVSidecarAgent keyword arguments from a VllmConfig (the engine core's rank)."""
     par = vllm_config.parallel_config
@@ -238,8 +247,10 @@ def identity(vllm_config: Any) -> dict[str, Any]:
         "engine_version": vllm_version(),
         "model_name": _served_model_name(vllm_config.model_config),
         "role": role,
-        "dp_rank": int(getattr(par, "data_parallel_rank", 0) or 0),
-        "dp_size": int(getattr(par, "data_parallel_size", 1) or 1),
+        "dp_rank": _dp_rank(par),
+        # Dense (non-MoE) DP ranks are reconfigured by vLLM as independent DP=1 engines,
+        # so their size reads 1; the rank survives in data_parallel_index.
+        "dp_size": max(int(getattr(par, "data_parallel_size", 1) or 1), _dp_rank(par) + 1),
         # One scheduler serves the whole DP rank: it speaks for TP/PP rank 0.
         "tp_rank": 0,
         "tp_size": int(getattr(par, "tensor_parallel_size", 1) or 1),

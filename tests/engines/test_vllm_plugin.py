@@ -61,3 +61,46 @@ def test_missing_hook_point_disables_with_one_line_and_engine_runs(tmp_path, tmp
         "kvsidecar disabled for vLLM 0.32.0: hook point BlockPool.unpin_blocks is missing "
         "(tested: 0.32.0)"
     ), lines
+
+
+def _config(kv_role=None, connector="HoldConnector", served=("m",), **par):
+    # Only the attributes identity() reads (the real config is exercised by the
+    # accounting and server tests, which check engine, version, role and model_name).
+    from types import SimpleNamespace as NS
+
+    parallel = {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    kv = NS(kv_role=kv_role, kv_connector=connector) if kv_role else None
+    return NS(
+        parallel_config=NS(**{**parallel, **par}),
+        kv_transfer_config=kv,
+        model_config=NS(served_model_name=list(served), model="/models/x"),
+        device_config=NS(device_type="cpu"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_role", "role"),
+    [("kv_producer", "prefill"), ("kv_consumer", "decode"), ("kv_both", "both"), (None, "both")],
+)
+def test_identity_role_from_kv_role(kv_role, role):
+    from kvsidecar.agent.engines.vllm import identity
+
+    ident = identity(_config(kv_role))
+    assert ident["role"] == role and ident["engine"] == "vllm" and ident["model_name"] == "m"
+
+
+def test_identity_dense_dp_rank_survives_vllms_reconfiguration():
+    from kvsidecar.agent.engines.vllm import identity
+
+    # A dense DP rank 3 of 4 after vLLM's reconfigure_for_independent_dp_rank().
+    ident = identity(
+        _config(
+            data_parallel_size=1,
+            data_parallel_rank=0,
+            data_parallel_index=3,
+            tensor_parallel_size=2,
+        )
+    )
+    assert (ident["dp_rank"], ident["tp_rank"], ident["tp_size"]) == (3, 0, 2)
+    assert ident["dp_size"] >= 4
+    assert identity(_config(served=()))["model_name"] == "/models/x"
