@@ -154,10 +154,11 @@ def sidecar_scheduler_class(base: type) -> type:
 
     class KVSidecarScheduler(base):  # type: ignore[valid-type, misc]
         _kvsidecar_scheduler = True
+        # A class default: vLLM's __init__ may call an overridden method before ours runs.
+        _kvsidecar: VllmSidecar | None = None
 
         def __init__(self, *args: Any, **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
-            self._kvsidecar: VllmSidecar | None = None
             if _disabled():
                 return
             try:
@@ -634,13 +635,13 @@ class VllmPoolSource:
                 return ret
             return orig_insert(key, block, *a, **kw)
 
-        def _remove_cached_block_hashes(block: Any) -> Any:
+        def _remove_cached_block_hashes(block: Any, *a: Any, **kw: Any) -> Any:
             # Hot: once per block get_new_blocks hands out. Fast path first: an unhashed or
             # referenced block cannot leave the cached set (a secondary hash implies a
             # primary one in this vLLM).
             if block.block_hash is None or block.ref_cnt:
-                return orig_remove(block)
-            ret = orig_remove(block)
+                return orig_remove(block, *a, **kw)
+            ret = orig_remove(block, *a, **kw)
             if block.block_hash is None and not block.is_null:
                 src.cached -= 1
             return ret
