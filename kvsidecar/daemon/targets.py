@@ -23,6 +23,8 @@ import threading
 import time
 from dataclasses import dataclass, field, replace
 
+import msgspec
+
 from kvsidecar.daemon.budget import BoundedSnapshotDecoder, Budget, OverBudget, check, sanitize
 from kvsidecar.discovery import scan_segments
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR
@@ -160,7 +162,7 @@ class Target:
         key = (result.incarnation, result.seq)
         if key == self._checked and v.last is not None:
             # The same snapshot as last poll (only the heartbeat moved): checked already.
-            result = replace(result, snapshot=v.last.snapshot)
+            result = msgspec.structs.replace(result, snapshot=v.last.snapshot)
         else:
             try:
                 check(result.snapshot, self.budget)
@@ -168,7 +170,7 @@ class Target:
                 return self._over_budget(v, e, now)
             snapshot, rejected = sanitize(result.snapshot)
             if rejected:
-                result = replace(result, snapshot=snapshot)
+                result = msgspec.structs.replace(result, snapshot=snapshot)  # a Struct
             self._checked = key
         restarts = v.writer_restarts_total
         if self._incarnation and result.incarnation != self._incarnation:

@@ -88,7 +88,7 @@ def test_exit_codes_and_one_line_errors(shm_dir: str) -> None:
     assert _cli("ls", "--shm-dir", shm_dir).returncode == 1
     assert _cli("dump", "--no-such-flag").returncode == 2
     proc = _cli("serve", "--shm-dir", shm_dir + "/missing", "--web.listen-address", ":0")
-    assert proc.returncode == 2 and "not a directory" in proc.stderr
+    assert proc.returncode == 2 and "--shm-dir" in proc.stderr and "does not exist" in proc.stderr
     assert len(proc.stderr.strip().splitlines()) == 1
 
 
