@@ -164,7 +164,7 @@ def check(argv: list[str]) -> None:
         targets = [a for a in argv[1:] if "=" not in a and not a.startswith("-")]
         unknown = set(targets) - makefile_targets()
         assert not unknown, f"make: no target {sorted(unknown)}"
-    elif prog in ("/opt/kvsidecar/bin/pip",):
+    elif re.fullmatch(r"/opt/[\w-]+/bin/pip", prog):  # our venv, or an engine's (vLLM's)
         assert argv[1:3] == ["install", argv[2]] and argv[2].startswith("dist/kvsidecar-"), argv
     elif prog == "python3" and argv[1:3] == ["-m", "venv"]:
         pass  # creating a venv with the system Python is fine

@@ -246,6 +246,7 @@ class _Refused:
     key: int  # hash of (dev, ino, mtime, ctime, size): an edited file is looked at again
     reason: str
     message: str | None  # None: rebuilt from the reason (keeps 50,000 entries small)
+    uid: int = -1  # the owner, for a foreign_owner message that names it
 
 
 def _transient_cause(error: str) -> str | None:
@@ -315,19 +316,22 @@ class TargetSet:
     @property
     def refused(self) -> dict[str, str]:
         """Discovered files not followed now: name -> why."""
-        return {n: r.message or self._message(n, r.reason) for n, r in self._refused.items()}
+        return {
+            n: r.message or self._message(n, r.reason, r.uid) for n, r in self._refused.items()
+        }
 
     @property
     def refused_count(self) -> int:
         return len(self._refused)
 
-    def _message(self, name: str, reason: str) -> str:
+    def _message(self, name: str, reason: str, uid: int = -1) -> str:
         path = os.path.join(self.shm_dir, name)
+        owner = f"owned by uid {uid}, " if uid >= 0 else ""
         return {
             "symlink": f"{path} is a symlink: refused (segments are never followed)",
             "not_regular": f"{path} is not a regular file (FIFO/device?): refused",
-            "foreign_owner": f"{path} is not owned by an allowed writer: pass --allow-uid "
-            "to trust it",
+            "foreign_owner": f"{path} is {owner}not an allowed writer: pass --allow-uid "
+            f"{uid if uid >= 0 else 'UID'} to trust it",
             "max_targets": f"{path}: already following --max-targets {self.max_targets} segments",
         }.get(reason, f"{path}: refused ({reason})")
 
@@ -436,7 +440,7 @@ class TargetSet:
                     return  # unchanged since it was refused
                 reason = self._classify(st)
                 if reason is not None:
-                    self._refuse(name, reason, ino, key)
+                    self._refuse(name, reason, ino, key, uid=st.st_uid)
                     return
             if len(self.targets) >= self.max_targets:
                 self._refuse(name, "max_targets", ino, key)
@@ -486,18 +490,19 @@ class TargetSet:
         ino: int | None = None,
         key: int = 0,
         message: str | None = None,
+        uid: int = -1,
     ) -> None:
         """Count a refusal; with ino, remember the file so it is not looked at again.
         A file refused again for the same reason (same inode) is not counted again."""
         old = self._refused.get(name)
         if ino is not None:
-            self._refused[name] = _Refused(ino, key, reason, message)
+            self._refused[name] = _Refused(ino, key, reason, message, uid)
             if old is not None and old.ino == ino and old.reason == reason:
                 return
         self.refusals_total = _bump(self.refusals_total, reason)
         self._pending[reason] = self._pending.get(reason, 0) + 1
         if not self._pending_example:
-            self._pending_example = f"{name}: {message or self._message(name, reason)}"
+            self._pending_example = f"{name}: {message or self._message(name, reason, uid)}"
 
     def _flush_summary(self, now: float) -> None:
         """One log line per interval for every refusal since the last one."""
