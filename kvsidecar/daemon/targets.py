@@ -27,6 +27,7 @@ import msgspec
 
 from kvsidecar.daemon.budget import BoundedSnapshotDecoder, Budget, OverBudget, check, sanitize
 from kvsidecar.discovery import scan_segments
+from kvsidecar.protocol import _seqlock, layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR
 from kvsidecar.protocol.reader import Corrupt, ReadError, Reading, SegmentReader
 
@@ -89,6 +90,15 @@ class TargetView:
         return None if self.last is None else self.last.age_seconds(now_mono_ns)
 
 
+CLOSED_KIND = "closed"  # error_kind of a target whose writer closed it cleanly
+
+
+def _closed(reader: SegmentReader) -> bool:
+    """The mapped (old) segment's state byte says CLOSED; a guarded copy, never a SIGBUS."""
+    raw = _seqlock.copy_range(reader.mm, layout.OFF_STATE, 1)
+    return raw is not None and raw[0] == layout.STATE_CLOSED
+
+
 def _bump(counts: dict[str, int], key: str, n: int = 1) -> dict[str, int]:
     out = dict(counts)
     out[key] = out.get(key, 0) + n
@@ -127,7 +137,11 @@ class Target:
         except Exception as e:  # a bug must not take the daemon down with it
             view = replace(self.view, state=CORRUPT, error=f"internal error: {e!r}")
         if log_transitions and view.state != self.view.state:
-            level = logging.INFO if view.state == UP else logging.WARNING
+            level = (
+                logging.INFO
+                if view.state == UP or view.error_kind == CLOSED_KIND
+                else logging.WARNING
+            )
             log.log(level, "%s: %s -> %s %s", self.name, self.view.state, view.state, view.error)
         self.view = view
         return view
@@ -136,6 +150,17 @@ class Target:
         v = self.view
         now = time.monotonic_ns()
         reader = self.reader
+        if reader.mm is not None and _closed(reader) and not os.path.lexists(reader.path):
+            # The writer marked the segment CLOSED before unlinking it: a clean shutdown,
+            # not a crash ("dead ... not found" sent operators looking for one). Kept until
+            # the name is forgotten or a new writer creates it again.
+            return replace(
+                v,
+                state=DEAD,
+                error=f"segment {self.name}: closed cleanly by its writer (engine shut down)",
+                error_kind=CLOSED_KIND,
+                last_poll_mono_ns=now,
+            )
         if reader.mm is None or reader.replaced():
             error = reader.attach()
             if error is not None:
@@ -316,9 +341,7 @@ class TargetSet:
     @property
     def refused(self) -> dict[str, str]:
         """Discovered files not followed now: name -> why."""
-        return {
-            n: r.message or self._message(n, r.reason, r.uid) for n, r in self._refused.items()
-        }
+        return {n: r.message or self._message(n, r.reason, r.uid) for n, r in self._refused.items()}
 
     @property
     def refused_count(self) -> int:

@@ -44,3 +44,23 @@ def test_a_missing_directory_that_was_named_is_still_an_error(tmp_path) -> None:
     assert "cannot list" in ts.discovery_error
     result = CliRunner().invoke(main, ["dump", "--shm-dir", gone])
     assert result.exit_code == 2 and "does not exist" in result.output
+
+
+def test_a_clean_close_is_logged_as_one_not_as_a_crash(shm_dir: str, caplog) -> None:
+    import logging
+
+    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0)
+    w = SegmentWriter("kvsidecar.eng.dp0.tp0.pp0", shm_dir=shm_dir)
+    w.publish(sample_snapshot(3))
+    ts.poll_all()
+    assert ts.targets["kvsidecar.eng.dp0.tp0.pp0"].view.state == "up"
+    w.close()  # CLOSED, then unlinked
+    with caplog.at_level(logging.INFO, logger="kvsidecar"):
+        ts.poll_all()
+        ts.poll_all()  # stays "closed cleanly", not "not found" on the next poll
+    view = ts.targets["kvsidecar.eng.dp0.tp0.pp0"].view
+    assert view.state == "dead" and "closed cleanly" in view.error
+    transitions = [r for r in caplog.records if "up -> dead" in r.getMessage()]
+    assert len(transitions) == 1 and transitions[0].levelno == logging.INFO
+    assert "not found" not in transitions[0].getMessage()
+    assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
