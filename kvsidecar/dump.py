@@ -17,6 +17,7 @@ import time
 import click
 import msgspec
 
+from kvsidecar import settings
 from kvsidecar.cli_options import (
     EXIT_NO_TARGET,
     EXIT_OK,
@@ -117,9 +118,9 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
 _stale_after_option = click.option(
     "--stale-after",
     type=float,
-    default=5.0,
+    default=settings.STALE_AFTER.default,
     show_default=True,
-    envvar="KVSIDECAR_STALE_AFTER",
+    envvar=settings.STALE_AFTER.name,
     help="Heartbeat age that makes a writer stale.",
 )
 

@@ -144,7 +144,7 @@ def test_bench_torn_quick_ends(tmp_path: Path) -> None:
 
 
 def test_default_port_is_ours_everywhere() -> None:
-    from kvsidecar.cli_options import DEFAULT_PORT
+    from kvsidecar.settings import DEFAULT_PORT
 
     assert DEFAULT_PORT not in (9400, 9100, 9090, 9093, 9091)
     for path in [
