@@ -286,13 +286,13 @@ def _default(s: Setting) -> str:
 def markdown() -> str:
     """docs/operations.md's table of variables (between the generated-section markers)."""
     lines = [
-        "| variable | flag | type | default | used by | meaning |",
+        "| flag | variable | type | default | used by | meaning |",
         "|---|---|---|---|---|---|",
     ]
     for s in ALL:
         flag = f"`{s.flag}`" if s.flag else ""
         used = ", ".join(s.used_by)
-        lines.append(f"| `{s.name}` | {flag} | {s.type} | {_default(s)} | {used} | {s.meaning} |")
+        lines.append(f"| {flag} | `{s.name}` | {s.type} | {_default(s)} | {used} | {s.meaning} |")
     return "\n".join(lines) + "\n"
 
 
