@@ -2,7 +2,7 @@
 
 ``logfmt`` (default) writes ``time=... level=info source=kvsidecar.targets msg="..."``,
 ``json`` one object per line. Either way every control character of a message is escaped
-(`kvsidecar.cli_options.printable`): log lines carry engine-supplied strings (segment
+(`kvsidecar.cli.options.printable`): log lines carry engine-supplied strings (segment
 errors, decode messages), and a raw ESC or CR would reach whoever tails the log.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from kvsidecar import settings
-from kvsidecar.cli_options import printable
+from kvsidecar.cli.options import printable
 
 LEVELS = ("debug", "info", "warn", "error")
 FORMATS = ("logfmt", "json")

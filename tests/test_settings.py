@@ -65,7 +65,7 @@ def test_names_are_unique_and_well_formed() -> None:
 
 
 def test_every_option_takes_name_and_default_from_the_table() -> None:
-    from kvsidecar.cli import main
+    from kvsidecar.cli.main import main
 
     def walk(cmd: click.Command):
         yield cmd

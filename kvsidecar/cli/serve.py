@@ -10,7 +10,7 @@ import sys
 import click
 
 from kvsidecar import __version__, settings
-from kvsidecar.cli_options import (
+from kvsidecar.cli.options import (
     EXIT_USAGE,
     allowed_uids,
     prefix_option,

@@ -29,7 +29,7 @@ from collections.abc import Callable
 
 import click
 
-from kvsidecar.cli_options import printable
+from kvsidecar.cli.options import printable
 from kvsidecar.logsetup import LEVELS
 from kvsidecar.settings import DEFAULT_PORT, without_ours
 from kvsidecar.stopflag import StopFlag
