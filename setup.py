@@ -16,6 +16,7 @@ setup(
     packages=[
         "kvsidecar",
         "kvsidecar.protocol",
+        "kvsidecar.cli",
         "kvsidecar.daemon",
         "kvsidecar.bench",
         "kvsidecar.agent",

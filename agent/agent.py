@@ -45,6 +45,7 @@ import time
 import weakref
 from collections.abc import Mapping
 
+from kvsidecar import settings
 from kvsidecar.agent.adapters import PoolSource
 from kvsidecar.agent.pool import DeferredRequests, DeviceMemorySampler, default_device
 from kvsidecar.protocol import layout
@@ -54,6 +55,9 @@ from kvsidecar.protocol.writer import SegmentWriter
 
 log = logging.getLogger("kvsidecar.agent")
 
+
+# An argument with no environment twin (read from an empty mapping).
+_HEARTBEAT_ARG = settings.Setting("HEARTBEAT_INTERVAL", "float", None, "argument only", ())
 
 _MAX_COUNT = 2**63 - 1  # the largest count a reader accepts (a signed 64-bit integer)
 
@@ -91,20 +95,24 @@ def _default_instance() -> str:
     return f"{ns:x}.{os.getpgrp()}"
 
 
-def _setting(value, env: Mapping[str, str], key: str, default, cast=_text):
+def _setting(value, env: Mapping[str, str], setting: settings.Setting, default=None, cast=_text):
+    """The argument if given, else the variable of ``setting`` in ``env``, else ``default``
+    (the table's own default when None)."""
+    default = setting.default if default is None else default
     if value is not None:
         try:
             return cast(value)
         except (TypeError, ValueError, OverflowError):
-            log.warning("kvsidecar: ignoring %s=%r (not a %s)", key.lower(), value, cast.__name__)
+            arg = setting.name.removeprefix(settings.ENV_PREFIX).lower()
+            log.warning("kvsidecar: ignoring %s=%r (not a %s)", arg, value, cast.__name__)
             return default
-    raw = env.get(f"KVSIDECAR_{key}")
-    if raw is None or raw == "":
+    raw = setting.get(env)
+    if raw is None:
         return default
     try:
         return cast(raw)
     except (TypeError, ValueError, OverflowError):
-        log.warning("kvsidecar: ignoring KVSIDECAR_%s=%r (not a %s)", key, raw, cast.__name__)
+        log.warning("kvsidecar: ignoring %s=%r (not a %s)", setting.name, raw, cast.__name__)
         return default
 
 
@@ -174,43 +182,43 @@ class KVSidecarAgent:
         instance, env,
     ) -> None:  # fmt: skip
         env = os.environ if env is None else env
-        engine = _setting(engine, env, "ENGINE", "unknown")
-        role = _setting(role, env, "ROLE", "both")
+        engine = _setting(engine, env, settings.ENGINE)
+        role = _setting(role, env, settings.ROLE)
         if role not in ROLES:
             log.warning("kvsidecar: role %r is not one of %s; using 'both'", role, ROLES)
             role = "both"
         r = self.runtime
         r.engine = engine
-        r.engine_version = _setting(engine_version, env, "ENGINE_VERSION", "")
-        r.model_name = _setting(model_name, env, "MODEL_NAME", "")
+        r.engine_version = _setting(engine_version, env, settings.ENGINE_VERSION)
+        r.model_name = _setting(model_name, env, settings.MODEL_NAME)
         r.role = role
-        r.dp_rank = _setting(dp_rank, env, "DP_RANK", 0, _int_env)
-        r.dp_size = _setting(dp_size, env, "DP_SIZE", 1, _int_env)
-        r.tp_rank = _setting(tp_rank, env, "TP_RANK", 0, _int_env)
-        r.tp_size = _setting(tp_size, env, "TP_SIZE", 1, _int_env)
-        r.pp_rank = _setting(pp_rank, env, "PP_RANK", 0, _int_env)
-        r.pp_size = _setting(pp_size, env, "PP_SIZE", 1, _int_env)
-        r.instance = _setting(instance, env, "INSTANCE", None) or _default_instance()
+        r.dp_rank = _setting(dp_rank, env, settings.DP_RANK, cast=_int_env)
+        r.dp_size = _setting(dp_size, env, settings.DP_SIZE, cast=_int_env)
+        r.tp_rank = _setting(tp_rank, env, settings.TP_RANK, cast=_int_env)
+        r.tp_size = _setting(tp_size, env, settings.TP_SIZE, cast=_int_env)
+        r.pp_rank = _setting(pp_rank, env, settings.PP_RANK, cast=_int_env)
+        r.pp_size = _setting(pp_size, env, settings.PP_SIZE, cast=_int_env)
+        r.instance = _setting(instance, env, settings.INSTANCE) or _default_instance()
         try:
             r.device = _text(device or default_device())
             self._memory = DeviceMemorySampler(r.device)
         except Exception as e:  # an unknown device: publish without device memory
             log.warning("kvsidecar: device %r not usable (%s); no device memory", device, e)
             r.device = _text(device)
-        self.shm_dir = _setting(shm_dir, env, "SHM_DIR", DEFAULT_SHM_DIR)
+        self.shm_dir = _setting(shm_dir, env, settings.SHM_DIR)
         self.segment_name = _setting(
             segment_name,
             env,
-            "SEGMENT",
+            settings.SEGMENT,
             default_segment_name(
                 engine, r.dp_rank, r.tp_rank, r.pp_rank, tag=role if role != "both" else ""
             ),
         )
-        disabled = env.get("KVSIDECAR_DISABLE", "") not in ("", "0", "false")
+        disabled = settings.DISABLE.enabled(env)
         self.enabled = (not disabled) if enabled is None else bool(enabled)
         if self.enabled:
-            self._open(_setting(group, env, "GROUP", None, lambda g: g))
-        interval = _setting(heartbeat_interval, {}, "HEARTBEAT_INTERVAL", None, float)
+            self._open(_setting(group, env, settings.GROUP, cast=lambda g: g))
+        interval = _setting(heartbeat_interval, {}, _HEARTBEAT_ARG, cast=float)
         if interval and interval > 0 and self._writer is not None:
             self._start_heartbeat(interval)
 

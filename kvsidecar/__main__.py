@@ -1,5 +1,5 @@
 """``python -m kvsidecar`` = the ``kvsidecar`` command."""
 
-from kvsidecar.cli import main
+from kvsidecar.cli.main import main
 
 main()

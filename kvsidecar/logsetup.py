@@ -2,7 +2,7 @@
 
 ``logfmt`` (default) writes ``time=... level=info source=kvsidecar.targets msg="..."``,
 ``json`` one object per line. Either way every control character of a message is escaped
-(`kvsidecar.cli_options.printable`): log lines carry engine-supplied strings (segment
+(`kvsidecar.cli.options.printable`): log lines carry engine-supplied strings (segment
 errors, decode messages), and a raw ESC or CR would reach whoever tails the log.
 """
 
@@ -17,7 +17,8 @@ from typing import Any
 
 import click
 
-from kvsidecar.cli_options import printable
+from kvsidecar import settings
+from kvsidecar.cli.options import printable
 
 LEVELS = ("debug", "info", "warn", "error")
 FORMATS = ("logfmt", "json")
@@ -76,9 +77,9 @@ def log_options(f: Any) -> Any:
         "--log.format",
         "log_format",
         type=click.Choice(FORMATS),
-        default="logfmt",
+        default=settings.LOG_FORMAT.default,
         show_default=True,
-        envvar="KVSIDECAR_LOG_FORMAT",
+        envvar=settings.LOG_FORMAT.name,
         help="Log line format.",
     )(f)
     return click.option(
@@ -86,9 +87,9 @@ def log_options(f: Any) -> Any:
         "--log-level",  # the pre-0.2 spelling, still accepted
         "log_level",
         type=click.Choice([*LEVELS, "warning"], case_sensitive=False),
-        default="info",
+        default=settings.LOG_LEVEL.default,
         show_default=True,
-        envvar="KVSIDECAR_LOG_LEVEL",
+        envvar=settings.LOG_LEVEL.name,
         help="Only log messages with this severity or above.",
     )(f)
 

@@ -22,7 +22,7 @@ from pathlib import Path
 import click
 import pytest
 
-from kvsidecar.cli import main
+from kvsidecar.cli.main import main
 from tests.conftest import REPO
 
 DOCS = [Path(REPO) / "README.md", *sorted((Path(REPO) / "docs").glob("*.md"))]
@@ -268,7 +268,7 @@ def test_make_dist_builds_an_installable_wheel_and_sdist(tmp_path: Path) -> None
     assert r.returncode == 0, r.stderr
     r = subprocess.run(
         [sys.executable, "-c", "import kvsidecar, sys; print(kvsidecar.__file__); "
-         "from kvsidecar.cli import main; sys.argv=['kvsidecar','--version']; main()"],
+         "from kvsidecar.cli.main import main; sys.argv=['kvsidecar','--version']; main()"],
         capture_output=True,
         text=True,
         timeout=60,

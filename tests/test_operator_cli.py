@@ -23,7 +23,7 @@ import logfmt
 import pytest
 from click.testing import CliRunner
 
-from kvsidecar.cli import main
+from kvsidecar.cli.main import main
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.conftest import REPO
@@ -144,7 +144,7 @@ def test_bench_torn_quick_ends(tmp_path: Path) -> None:
 
 
 def test_default_port_is_ours_everywhere() -> None:
-    from kvsidecar.cli_options import DEFAULT_PORT
+    from kvsidecar.settings import DEFAULT_PORT
 
     assert DEFAULT_PORT not in (9400, 9100, 9090, 9093, 9091)
     for path in [
@@ -364,7 +364,7 @@ def test_ls_and_errors_escape_engine_strings(shm_dir: str) -> None:
         assert "\x1b" not in r.output
     finally:
         w.close()
-    from kvsidecar.cli_options import printable
+    from kvsidecar.cli.options import printable
 
     assert printable("a\x1bb\r\n\x9b\x7f") == "a\\x1bb\\r\\n\\x9b\\x7f"
     assert printable("tab\tok") == "tab\tok"
@@ -374,7 +374,7 @@ def test_ls_and_errors_escape_engine_strings(shm_dir: str) -> None:
 
 
 def test_demo_watch_command_runs_as_printed(shm_dir: str, monkeypatch: pytest.MonkeyPatch) -> None:
-    from kvsidecar import demo_cli
+    from kvsidecar.cli import demo as demo_cli
 
     monkeypatch.setenv("PATH", "/usr/bin:/bin")  # a fresh shell: no venv on PATH
     text = demo_cli.banner("http://x", "/metrics", shm_dir, True, "", "m", 1.0, 0.0)

@@ -33,6 +33,7 @@ from collections import OrderedDict
 from collections.abc import Iterable
 from typing import Any
 
+from kvsidecar import settings
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 
 # Under "vllm." so vLLM's own logging configuration (handlers, format, level) shows it.
@@ -75,8 +76,7 @@ def _fail(where: str, e: Exception) -> None:
 
 
 def _disabled(env: dict[str, str] | os._Environ[str] | None = None) -> bool:
-    env = os.environ if env is None else env
-    return env.get("KVSIDECAR_DISABLE", "") not in ("", "0", "false")
+    return settings.DISABLE.enabled(os.environ if env is None else env)
 
 
 def vllm_version() -> str:

@@ -20,6 +20,8 @@ import urllib.request
 from pathlib import Path
 from typing import Any
 
+from kvsidecar import settings
+
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = REPO / "tests" / "engines" / "vllm_helpers"
 
@@ -74,7 +76,7 @@ def llm_kwargs(model_dir: str, **over: Any) -> dict[str, Any]:
 
 def vllm_python() -> Path | None:
     """The vLLM env's Python, or None when it has not been built."""
-    override = os.environ.get("KVSIDECAR_VLLM_PYTHON")
+    override = settings.VLLM_PYTHON.get(os.environ)
     python = Path(override) if override else REPO / ".engine-envs" / "vllm" / "bin" / "python"
     return python if python.exists() else None
 
@@ -293,9 +295,9 @@ def _ratios(values: list[float]) -> dict[str, float]:
 def _engine_proc(python: Path, model_dir: str, env: dict[str, str], disable: bool, cwd: str):
     e = {**os.environ, **env, "VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
     if disable:
-        e["KVSIDECAR_DISABLE"] = "1"
+        e[settings.DISABLE.name] = "1"
     else:
-        e.pop("KVSIDECAR_DISABLE", None)
+        e.pop(settings.DISABLE.name, None)
     proc = subprocess.Popen(
         [str(python), "-m", "kvsidecar.agent.bench.vllm", "engine", "--model-dir", model_dir],
         env=e,
@@ -501,7 +503,7 @@ def bench_observer(
     port = fleet.free_port()
     model = write_model(Path(tmp) / "bench-model", **BENCH_MODEL)
     cmd = server_command(python, model, port, num_gpu_blocks=512)
-    server = start_server(cmd, {**env, "KVSIDECAR_SHM_DIR": str(shm)}, Path(tmp) / "server.log")
+    server = start_server(cmd, {**env, settings.SHM_DIR.name: str(shm)}, Path(tmp) / "server.log")
     daemon = None
     load = _Load(port, clients=4, prompt_len=64, max_tokens=64)
     try:
@@ -578,8 +580,8 @@ def run(
         raise RuntimeError("no vLLM environment: build it with `bash .ci/engine-env vllm`")
     tmp = tempfile.mkdtemp(prefix="kvsidecar-bench-vllm-")
     env = engine_env(cache_root=os.path.join(tmp, "vllm-cache"))
-    env["KVSIDECAR_SHM_DIR"] = os.path.join(tmp, "shm-engine")
-    os.makedirs(env["KVSIDECAR_SHM_DIR"], exist_ok=True)
+    env[settings.SHM_DIR.name] = os.path.join(tmp, "shm-engine")
+    os.makedirs(env[settings.SHM_DIR.name], exist_ok=True)
     try:
         out: dict[str, Any] = {
             "quick": quick,

@@ -50,6 +50,7 @@ from kvsidecar.protocol.names import (
     validate_name,
 )
 from kvsidecar.protocol.schema import Capabilities, Snapshot, current_capabilities
+from kvsidecar.settings import GROUP, SHM_DIR
 
 DEFAULT_MODE = 0o640
 
@@ -144,7 +145,7 @@ class SegmentWriter:
             try:
                 gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
             except KeyError:
-                raise SegmentError(f"group {group!r} does not exist: fix KVSIDECAR_GROUP") from None
+                raise SegmentError(f"group {group!r} does not exist: fix {GROUP.name}") from None
         self._dir_fd = dir_fd = _open_dir(self.shm_dir, gid)
         tmp = f".{self.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
         flags = os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
@@ -415,7 +416,7 @@ def _squatted(path: str, uid: int) -> SegmentSquattedError:
     return SegmentSquattedError(
         f"{path} belongs to uid {uid} ({_user(uid)}), not to this engine's uid "
         f"{os.geteuid()}: another local user may be squatting it; remove it (as root or "
-        f"that user) or set KVSIDECAR_SHM_DIR to a directory only you can write "
+        f"that user) or set {SHM_DIR.name} to a directory only you can write "
         f"(the default {DEFAULT_SHM_DIR} is created {DEFAULT_SHM_DIR_MODE:o})"
     )
 
@@ -450,11 +451,11 @@ def _open_dir(shm_dir: str, gid: int | None) -> int:
         except FileNotFoundError:
             raise SegmentError(
                 f"{os.path.dirname(shm_dir)} does not exist: mount a tmpfs there or set "
-                "KVSIDECAR_SHM_DIR to a tmpfs directory"
+                f"{SHM_DIR.name} to a tmpfs directory"
             ) from None
         except OSError as e:
             raise SegmentError(
-                f"cannot create {shm_dir}: {e.strerror}; set KVSIDECAR_SHM_DIR to a tmpfs "
+                f"cannot create {shm_dir}: {e.strerror}; set {SHM_DIR.name} to a tmpfs "
                 "directory you can write"
             ) from e
     try:
@@ -462,13 +463,13 @@ def _open_dir(shm_dir: str, gid: int | None) -> int:
     except FileNotFoundError:
         raise SegmentError(
             f"shm directory {shm_dir} does not exist: create it or set "
-            "KVSIDECAR_SHM_DIR to a tmpfs directory"
+            f"{SHM_DIR.name} to a tmpfs directory"
         ) from None
     except OSError as e:
         if e.errno in (errno.ELOOP, errno.ENOTDIR):
             raise SegmentError(
                 f"shm directory {shm_dir} is a symlink or not a directory: refused (another "
-                "user may have planted it); remove it or set KVSIDECAR_SHM_DIR"
+                f"user may have planted it); remove it or set {SHM_DIR.name}"
             ) from e
         raise SegmentError(f"cannot open shm directory {shm_dir}: {e.strerror}") from e
     try:

@@ -10,7 +10,7 @@ import tempfile
 import pytest
 from click.testing import CliRunner
 
-from kvsidecar.cli import main
+from kvsidecar.cli.main import main
 from kvsidecar.daemon import targets as targets_mod
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter

@@ -9,7 +9,7 @@ import sys
 import pytest
 from click.testing import CliRunner
 
-from kvsidecar.cli import main
+from kvsidecar.cli.main import main
 from tests.conftest import REPO
 from tests.procs import start_rank
 from tests.rank_writer import expected_pool

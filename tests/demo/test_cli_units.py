@@ -9,7 +9,7 @@ import sys
 import click
 import pytest
 
-from kvsidecar.demo_cli import port_free, split_address, url_host
+from kvsidecar.cli.demo import port_free, split_address, url_host
 from tests.conftest import REPO
 
 pytestmark = pytest.mark.timeout(60)
@@ -35,7 +35,7 @@ def test_port_in_use_is_detected() -> None:
 
 def test_cli_and_pd_launcher_do_not_import_torch() -> None:
     code = (
-        "import sys, kvsidecar.cli, kvsidecar.demo_cli, kvsidecar.agent.demo.launch, "
+        "import sys, kvsidecar.cli.main, kvsidecar.cli.demo, kvsidecar.agent.demo.launch, "
         "kvsidecar.agent.demo.plot; assert 'torch' not in sys.modules, 'torch imported'"
     )
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True, timeout=60)

@@ -55,7 +55,7 @@ SERVE_FLAGS = [
 def serve_env_twins() -> tuple[set[str], bool]:
     """(env variable names of `kvsidecar serve`, whether they came from the code)."""
     try:
-        from kvsidecar.cli import main
+        from kvsidecar.cli.main import main
     except ImportError:
         return {env_twin(f) for f in SERVE_FLAGS}, False
     serve = main.commands.get("serve")

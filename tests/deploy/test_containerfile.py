@@ -219,7 +219,7 @@ def test_runtime_install_in_fresh_venv(parsed, tmp_path: Path) -> None:
         [
             py,
             "-c",
-            "import kvsidecar, kvsidecar.cli, kvsidecar.protocol._seqlock;"
+            "import kvsidecar, kvsidecar.cli.main, kvsidecar.protocol._seqlock;"
             " print(kvsidecar.__file__)",
         ],
         cwd=tmp_path,

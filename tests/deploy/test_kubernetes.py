@@ -106,9 +106,11 @@ def test_native_sidecar(sidecar: dict) -> None:
     assert sidecar["args"][0] == "serve"  # the image's ENTRYPOINT is kvsidecar
     ports = {p["name"]: p for p in sidecar["ports"]}
     assert ports["metrics"]["containerPort"] == 19440
-    assert sidecar["livenessProbe"]["httpGet"]["path"] == "/-/healthy"
-    assert sidecar["readinessProbe"]["httpGet"]["path"] == "/-/ready"
-    for probe in ("livenessProbe", "readinessProbe"):
+    # A sidecar's readiness counts in the Pod's: a readinessProbe would let a
+    # monitoring failure take the engine out of its Service.
+    assert "readinessProbe" not in sidecar
+    for probe in ("startupProbe", "livenessProbe"):
+        assert sidecar[probe]["httpGet"]["path"] == "/-/healthy"
         assert sidecar[probe]["httpGet"]["port"] in ("metrics", 19440)
     assert env(sidecar).get("KVSIDECAR_WEB_LISTEN_ADDRESS", ":19440").endswith(":19440")
 

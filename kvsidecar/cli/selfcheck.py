@@ -10,8 +10,11 @@ import time
 
 import click
 
-from kvsidecar.bench import torn
-from kvsidecar.cli_options import printable
+from kvsidecar.cli.options import printable
+
+# bench.torn's module constant, spelled here so --help does not import the writer
+# (msgspec); tests/test_cli_import.py checks that the two agree.
+START_TIMEOUT = 30.0
 
 
 @click.command()
@@ -20,7 +23,7 @@ from kvsidecar.cli_options import printable
     type=click.FloatRange(0),
     default=2.0,
     show_default=True,
-    help=f"How long to stress. The command ends within SECONDS + {2 * torn.START_TIMEOUT:g} s.",
+    help=f"How long to stress. The command ends within SECONDS + {2 * START_TIMEOUT:g} s.",
 )
 def selfcheck(seconds: float) -> None:
     """Run a full-speed writer against two reader processes and report torn reads.
@@ -30,6 +33,8 @@ def selfcheck(seconds: float) -> None:
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-selfcheck-", dir="/dev/shm")
     t0 = time.monotonic()
     try:
+        from kvsidecar.bench import torn
+
         result = torn.run(seconds=seconds, readers=2, shm_dir=shm_dir)
     except RuntimeError as e:
         click.echo(f"selfcheck: failed: {printable(e)}", err=True)

@@ -13,11 +13,12 @@ import re
 import shutil
 import sys
 import time
+from typing import TYPE_CHECKING
 
 import click
-import msgspec
 
-from kvsidecar.cli_options import (
+from kvsidecar import settings
+from kvsidecar.cli.options import (
     EXIT_NO_TARGET,
     EXIT_OK,
     allowed_uids,
@@ -27,10 +28,12 @@ from kvsidecar.cli_options import (
     shm_dir_option,
     trust_options,
 )
-from kvsidecar.daemon.app import view_record
-from kvsidecar.daemon.targets import UP, TargetSet, TargetView
 
-_JSON = msgspec.json.Encoder()
+if TYPE_CHECKING:
+    from kvsidecar.daemon.targets import TargetSet, TargetView
+
+# The daemon's modules (prometheus_client, msgspec) are imported when a command runs, not
+# when the CLI loads: `kvsidecar --help` stays light.
 MIN_WATCH = 0.1
 _NEGATIVE = re.compile(r"-[0-9.]+(e[-+]?[0-9]+)?", re.I)
 
@@ -42,6 +45,8 @@ def _targets(
     stale_after: float,
     allowed: frozenset[int] | None,
 ) -> TargetSet:
+    from kvsidecar.daemon.targets import TargetSet
+
     require_dir(shm_dir)
     ts = TargetSet(
         shm_dir,
@@ -77,6 +82,8 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
     terminal), and the name column is as wide as the longest name: names differ at the end
     (``...pp0``/``...pp1``), so they are never cut.
     """
+    from kvsidecar.daemon.targets import UP
+
     now = time.monotonic_ns()
     w = max([34, *(len(printable(v.name)) for v in views)])
     lines = [
@@ -117,9 +124,9 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
 _stale_after_option = click.option(
     "--stale-after",
     type=float,
-    default=5.0,
+    default=settings.STALE_AFTER.default,
     show_default=True,
-    envvar="KVSIDECAR_STALE_AFTER",
+    envvar=settings.STALE_AFTER.name,
     help="Heartbeat age that makes a writer stale.",
 )
 
@@ -201,14 +208,23 @@ def dump(
 
 def _emit(views: list[TargetView], as_json: bool) -> None:
     if as_json:
+        import msgspec
+
+        from kvsidecar.daemon.app import view_record
+
         now = time.monotonic_ns()
-        data = _JSON.encode({"targets": [view_record(v, now) for v in views]})
+        data = msgspec.json.encode({"targets": [view_record(v, now) for v in views]})
         sys.stdout.buffer.write(msgspec.json.format(data) + b"\n")
     else:
         click.echo(render_table(views, shutil.get_terminal_size((160, 40)).columns))
 
 
 def _watch(ts: TargetSet, interval: float, count: int, as_json: bool) -> None:
+    import msgspec
+
+    from kvsidecar.daemon.app import view_record
+
+    encoder = msgspec.json.Encoder()
     live = sys.stdout.isatty() and not as_json
     n = 0
     try:
@@ -224,7 +240,7 @@ def _watch(ts: TargetSet, interval: float, count: int, as_json: bool) -> None:
                 click.echo(render_table(views, shutil.get_terminal_size((160, 40)).columns))
             else:
                 now = time.monotonic_ns()
-                line = _JSON.encode(
+                line = encoder.encode(
                     {"time": time.time(), "targets": [view_record(v, now) for v in views]}
                 )
                 sys.stdout.buffer.write(line + b"\n")

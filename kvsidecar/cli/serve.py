@@ -9,9 +9,8 @@ import sys
 
 import click
 
-from kvsidecar import __version__
-from kvsidecar.cli_options import (
-    DEFAULT_LISTEN,
+from kvsidecar import __version__, settings
+from kvsidecar.cli.options import (
     EXIT_USAGE,
     allowed_uids,
     prefix_option,
@@ -22,6 +21,7 @@ from kvsidecar.cli_options import (
 )
 from kvsidecar.logsetup import log_options, setup_logging
 from kvsidecar.protocol.names import InvalidName, validate_name
+from kvsidecar.settings import DEFAULT_LISTEN
 from kvsidecar.stopflag import StopFlag
 
 
@@ -46,40 +46,40 @@ def _segment_names(
     "--segment",
     "segments",
     multiple=True,
-    envvar="KVSIDECAR_SEGMENT",
+    envvar=settings.SEGMENT.name,
     callback=_segment_names,
     help="Follow this segment name (repeatable); default: every PREFIX* segment.",
 )
 @click.option(
     "--poll-interval",
     type=click.FloatRange(0.01, 60),
-    default=0.25,
+    default=settings.POLL_INTERVAL.default,
     show_default=True,
-    envvar="KVSIDECAR_POLL_INTERVAL",
+    envvar=settings.POLL_INTERVAL.name,
     help="Seconds between polls.",
 )
 @click.option(
     "--stale-after",
     type=click.FloatRange(0.05, 3600),
-    default=5.0,
+    default=settings.STALE_AFTER.default,
     show_default=True,
-    envvar="KVSIDECAR_STALE_AFTER",
+    envvar=settings.STALE_AFTER.name,
     help="A live writer whose heartbeat is older than this is stale (up 0).",
 )
 @click.option(
     "--rediscover-interval",
     type=click.FloatRange(0.05, 3600),
-    default=1.0,
+    default=settings.REDISCOVER_INTERVAL.default,
     show_default=True,
-    envvar="KVSIDECAR_REDISCOVER_INTERVAL",
+    envvar=settings.REDISCOVER_INTERVAL.name,
     help="Seconds between scans of the shm directory.",
 )
 @click.option(
     "--web.listen-address",
     "listen_addresses",
     multiple=True,
-    envvar="KVSIDECAR_WEB_LISTEN_ADDRESS",
-    default=[DEFAULT_LISTEN],
+    envvar=settings.WEB_LISTEN_ADDRESS.name,
+    default=[settings.WEB_LISTEN_ADDRESS.default],
     show_default=True,
     help=f"Address to listen on (repeatable), e.g. {DEFAULT_LISTEN}, "
     f"127.0.0.1{DEFAULT_LISTEN}, [::1]{DEFAULT_LISTEN}.",
@@ -87,16 +87,16 @@ def _segment_names(
 @click.option(
     "--web.config.file",
     "web_config_file",
-    envvar="KVSIDECAR_WEB_CONFIG_FILE",
+    envvar=settings.WEB_CONFIG_FILE.name,
     type=click.Path(dir_okay=False),
-    default=None,
+    default=settings.WEB_CONFIG_FILE.default,
     help="exporter-toolkit web config (TLS, basic auth).",
 )
 @click.option(
     "--web.telemetry-path",
     "telemetry_path",
-    envvar="KVSIDECAR_WEB_TELEMETRY_PATH",
-    default="/metrics",
+    envvar=settings.WEB_TELEMETRY_PATH.name,
+    default=settings.WEB_TELEMETRY_PATH.default,
     show_default=True,
     help="Path of the metrics endpoint.",
 )
@@ -104,63 +104,63 @@ def _segment_names(
     "--web.max-requests",
     "max_requests",
     type=click.IntRange(0),
-    default=40,
+    default=settings.WEB_MAX_REQUESTS.default,
     show_default=True,
-    envvar="KVSIDECAR_WEB_MAX_REQUESTS",
+    envvar=settings.WEB_MAX_REQUESTS.name,
     help="Concurrent requests served before answering 503 (0 = no limit).",
 )
 @trust_options
 @click.option(
     "--ready-requires-source",
     is_flag=True,
-    envvar="KVSIDECAR_READY_REQUIRES_SOURCE",
+    envvar=settings.READY_REQUIRES_SOURCE.name,
     help="/-/ready answers 503 until at least one segment is up.",
 )
 @click.option(
     "--web.disable-exporter-metrics",
     "disable_exporter_metrics",
     is_flag=True,
-    envvar="KVSIDECAR_WEB_DISABLE_EXPORTER_METRICS",
+    envvar=settings.WEB_DISABLE_EXPORTER_METRICS.name,
     help="Leave out metrics about the daemon itself (process_*, python_*, kvsidecar_http_*).",
 )
 @click.option(
     "--max-targets",
     type=click.IntRange(1),
-    default=256,
+    default=settings.MAX_TARGETS.default,
     show_default=True,
-    envvar="KVSIDECAR_MAX_TARGETS",
+    envvar=settings.MAX_TARGETS.name,
     help="Most segments followed at once; further files are refused and counted.",
 )
 @click.option(
     "--max-pools-per-rank",
     type=click.IntRange(1),
-    default=64,
+    default=settings.MAX_POOLS_PER_RANK.default,
     show_default=True,
-    envvar="KVSIDECAR_MAX_POOLS_PER_RANK",
+    envvar=settings.MAX_POOLS_PER_RANK.name,
     help="A segment with more pools is refused (checked before decoding them).",
 )
 @click.option(
     "--max-label-length",
     type=click.IntRange(16),
-    default=256,
+    default=settings.MAX_LABEL_LENGTH.default,
     show_default=True,
-    envvar="KVSIDECAR_MAX_LABEL_LENGTH",
+    envvar=settings.MAX_LABEL_LENGTH.name,
     help="A segment with a longer label value (model_name, pool_name, ...) is refused.",
 )
 @click.option(
     "--max-series-per-target",
     type=click.IntRange(64),
-    default=4096,
+    default=settings.MAX_SERIES_PER_TARGET.default,
     show_default=True,
-    envvar="KVSIDECAR_MAX_SERIES_PER_TARGET",
+    envvar=settings.MAX_SERIES_PER_TARGET.name,
     help="A segment that would export more series is refused.",
 )
 @click.option(
     "--max-payload-bytes",
     type=click.IntRange(4096),
-    default=1024 * 1024,
+    default=settings.MAX_PAYLOAD_BYTES.default,
     show_default=True,
-    envvar="KVSIDECAR_MAX_PAYLOAD_BYTES",
+    envvar=settings.MAX_PAYLOAD_BYTES.name,
     help="A segment whose slot is bigger is refused before any payload is read.",
 )
 @log_options
@@ -252,7 +252,8 @@ def serve(
         if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
             why = (
                 "port in use by another process: pass --web.listen-address "
-                f"(KVSIDECAR_WEB_LISTEN_ADDRESS) with a free port, e.g. :{_suggest(addresses)}"
+                f"({settings.WEB_LISTEN_ADDRESS.name}) with a free port, "
+                f"e.g. :{_suggest(addresses)}"
             )
         click.echo(f"kvsidecar: cannot listen on {' '.join(addresses)}: {why}", err=True)
         sys.exit(EXIT_USAGE)

@@ -29,8 +29,9 @@ from collections.abc import Callable
 
 import click
 
-from kvsidecar.cli_options import DEFAULT_PORT, printable
+from kvsidecar.cli.options import printable
 from kvsidecar.logsetup import LEVELS
+from kvsidecar.settings import DEFAULT_PORT, without_ours
 from kvsidecar.stopflag import StopFlag
 
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
@@ -101,7 +102,7 @@ def _child_setup() -> Callable[[], None]:
 
 
 def clean_env() -> dict[str, str]:
-    return {k: v for k, v in os.environ.items() if not k.startswith("KVSIDECAR_")}
+    return without_ours(os.environ)
 
 
 class Child:

@@ -10,15 +10,11 @@ from typing import Any
 
 import click
 
-from kvsidecar.protocol.names import DEFAULT_PREFIX, DEFAULT_SHM_DIR
+from kvsidecar import settings
+from kvsidecar.protocol.names import DEFAULT_SHM_DIR
 
 EXIT_OK, EXIT_NO_TARGET, EXIT_USAGE = 0, 1, 2
 
-# Our own default port. 9400 (what we had) is dcgm-exporter's, which every GPU node runs;
-# the Prometheus wiki's exporter block 9100-9999 is exhausted and newer exporters have
-# moved above it (e.g. 39100). See docs/operations.md "Port".
-DEFAULT_PORT = 19440
-DEFAULT_LISTEN = f":{DEFAULT_PORT}"
 
 # C0 controls (but not tab), DEL and C1 controls: an engine string carrying ESC or CR
 # could rewrite the operator's terminal (clear it, fake a line, set the title).
@@ -40,8 +36,8 @@ def printable(text: object, style: str = "backslash") -> str:
 def shm_dir_option(f: Any) -> Any:
     return click.option(
         "--shm-dir",
-        envvar="KVSIDECAR_SHM_DIR",
-        default=DEFAULT_SHM_DIR,
+        envvar=settings.SHM_DIR.name,
+        default=settings.SHM_DIR.default,
         show_default=True,
         help="Directory holding the segments (a tmpfs).",
     )(f)
@@ -50,8 +46,8 @@ def shm_dir_option(f: Any) -> Any:
 def prefix_option(f: Any) -> Any:
     return click.option(
         "--prefix",
-        envvar="KVSIDECAR_PREFIX",
-        default=DEFAULT_PREFIX,
+        envvar=settings.PREFIX.name,
+        default=settings.PREFIX.default,
         show_default=True,
         help="Only segments whose name starts with this.",
     )(f)
@@ -63,7 +59,7 @@ def trust_options(f: Any) -> Any:
     f = click.option(
         "--allow-any-uid",
         is_flag=True,
-        envvar="KVSIDECAR_ALLOW_ANY_UID",
+        envvar=settings.ALLOW_ANY_UID.name,
         help="Trust segments of any owner (not recommended on shared hosts).",
     )(f)
     return click.option(
@@ -71,7 +67,7 @@ def trust_options(f: Any) -> Any:
         "allow_uids",
         multiple=True,
         type=click.IntRange(0),
-        envvar="KVSIDECAR_ALLOW_UID",
+        envvar=settings.ALLOW_UID.name,
         metavar="UID",
         help="Also trust segments owned by this uid (repeatable; the env twin is "
         "space-separated). Default: own uid only.",
@@ -95,7 +91,7 @@ def require_dir(shm_dir: str) -> None:
         what = "does not exist" if not os.path.exists(shm_dir) else "is not a directory"
         click.echo(
             f"kvsidecar: --shm-dir {printable(shm_dir)} {what}: create it or point "
-            "--shm-dir/KVSIDECAR_SHM_DIR at the agent's segment directory",
+            f"--shm-dir/{settings.SHM_DIR.name} at the agent's segment directory",
             err=True,
         )
         raise SystemExit(EXIT_USAGE)

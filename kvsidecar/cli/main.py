@@ -39,10 +39,10 @@ def _conventions(cmd: click.Command) -> None:
 def _register() -> None:
     # Imported here so `kvsidecar --help` stays fast and the daemon never imports torch.
     from kvsidecar.bench.cli import bench
-    from kvsidecar.daemon.cli import serve
-    from kvsidecar.demo_cli import demo
-    from kvsidecar.dump import dump, ls
-    from kvsidecar.selfcheck import selfcheck
+    from kvsidecar.cli.demo import demo
+    from kvsidecar.cli.dump import dump, ls
+    from kvsidecar.cli.selfcheck import selfcheck
+    from kvsidecar.cli.serve import serve
 
     main.add_command(dump)
     main.add_command(ls)

@@ -1,0 +1,300 @@
+"""Every ``KVSIDECAR_*`` environment variable, defined once (like vLLM's ``envs.py``).
+
+The agent, the engine plugins, the daemon's and CLI's click options (``envvar=``) and the
+benchmarks take names and defaults from here; docs/operations.md's table is generated from
+it (``python -m kvsidecar.settings``). Import-light: the standard library and the
+protocol's name defaults only, so any process (an engine's plugin loader, ``--help``) can
+import it cheaply.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from kvsidecar.protocol.names import DEFAULT_PREFIX, DEFAULT_SHM_DIR
+
+ENV_PREFIX = "KVSIDECAR_"
+
+AGENT, DAEMON, CLI, BENCH = "agent", "serve", "dump/ls", "bench"
+
+# Our own default port. 9400 (what we had) is dcgm-exporter's, which every GPU node runs;
+# the Prometheus wiki's exporter block 9100-9999 is exhausted and newer exporters have
+# moved above it (e.g. 39100). See docs/operations.md "Port".
+DEFAULT_PORT = 19440
+DEFAULT_LISTEN = f":{DEFAULT_PORT}"
+
+
+@dataclass(frozen=True)
+class Setting:
+    """One variable: its name, value type, default (None: none) and meaning."""
+
+    name: str
+    type: str
+    default: Any
+    meaning: str
+    used_by: tuple[str, ...]
+    flag: str = ""  # the command-line twin, if any
+
+    def get(self, env: Mapping[str, str]) -> str | None:
+        """The raw value in ``env``; None when unset or empty."""
+        raw = env.get(self.name)
+        return None if raw is None or raw == "" else raw
+
+    def enabled(self, env: Mapping[str, str]) -> bool:
+        """A flag variable's value: set and not ``0``/``false``."""
+        return env.get(self.name, "") not in ("", "0", "false")
+
+
+ALL: list[Setting] = []
+
+
+def _s(key: str, type: str, default: Any, meaning: str, *used_by: str, flag: str = "") -> Setting:
+    s = Setting(ENV_PREFIX + key, type, default, meaning, used_by, flag)
+    ALL.append(s)
+    return s
+
+
+# -- shared by the agent (writer) and every reader ------------------------------------------
+SHM_DIR = _s(
+    "SHM_DIR",
+    "path",
+    DEFAULT_SHM_DIR,
+    "directory holding the segments (a tmpfs); must match on both sides",
+    AGENT,
+    DAEMON,
+    CLI,
+    flag="--shm-dir",
+)
+SEGMENT = _s(
+    "SEGMENT",
+    "str",
+    None,
+    "agent: this rank's segment name (default `kvsidecar.<engine>[.<role>].dp<d>.tp<t>.pp<p>`); "
+    "serve: follow only these names (space-separated; default all)",
+    AGENT,
+    DAEMON,
+    flag="--segment",
+)
+
+# -- the agent (inside the engine) -----------------------------------------------------------
+DISABLE = _s(
+    "DISABLE",
+    "bool",
+    False,
+    "`1`: no agent, no segment; engine plugins leave the engine untouched",
+    AGENT,
+)
+ENGINE = _s("ENGINE", "str", "unknown", "engine label (`vllm`, `sglang`, ...)", AGENT)
+ENGINE_VERSION = _s("ENGINE_VERSION", "str", "", "engine version label", AGENT)
+MODEL_NAME = _s("MODEL_NAME", "str", "", "model label", AGENT)
+ROLE = _s("ROLE", "str", "both", "`prefill`, `decode` or `both`", AGENT)
+DP_RANK = _s("DP_RANK", "int", 0, "data-parallel rank", AGENT)
+DP_SIZE = _s("DP_SIZE", "int", 1, "data-parallel size", AGENT)
+TP_RANK = _s("TP_RANK", "int", 0, "tensor-parallel rank", AGENT)
+TP_SIZE = _s("TP_SIZE", "int", 1, "tensor-parallel size", AGENT)
+PP_RANK = _s("PP_RANK", "int", 0, "pipeline-parallel rank", AGENT)
+PP_SIZE = _s("PP_SIZE", "int", 1, "pipeline-parallel size", AGENT)
+INSTANCE = _s(
+    "INSTANCE",
+    "str",
+    None,
+    "the id a daemon sums DP ranks within (default: PID namespace and process group), e.g. "
+    "`$POD_NAME`",
+    AGENT,
+)
+GROUP = _s(
+    "GROUP",
+    "str",
+    None,
+    "group (name or gid) given to the segments and the default directory",
+    AGENT,
+)
+
+# -- the daemon (`kvsidecar serve`) and the readers (`dump`, `ls`, `selfcheck`) -----------
+PREFIX = _s("PREFIX", "str", DEFAULT_PREFIX, "discovery prefix", DAEMON, CLI, flag="--prefix")
+POLL_INTERVAL = _s(
+    "POLL_INTERVAL", "float", 0.25, "seconds between polls", DAEMON, flag="--poll-interval"
+)
+STALE_AFTER = _s(
+    "STALE_AFTER",
+    "float",
+    5.0,
+    "heartbeat age (s) that marks a source down",
+    DAEMON,
+    CLI,
+    flag="--stale-after",
+)
+REDISCOVER_INTERVAL = _s(
+    "REDISCOVER_INTERVAL",
+    "float",
+    1.0,
+    "seconds between directory scans for new segments",
+    DAEMON,
+    flag="--rediscover-interval",
+)
+WEB_LISTEN_ADDRESS = _s(
+    "WEB_LISTEN_ADDRESS",
+    "list",
+    DEFAULT_LISTEN,
+    "addresses to listen on (space-separated)",
+    DAEMON,
+    flag="--web.listen-address",
+)
+WEB_CONFIG_FILE = _s(
+    "WEB_CONFIG_FILE",
+    "path",
+    None,
+    "TLS / basic auth (exporter-toolkit format)",
+    DAEMON,
+    flag="--web.config.file",
+)
+WEB_TELEMETRY_PATH = _s(
+    "WEB_TELEMETRY_PATH",
+    "str",
+    "/metrics",
+    "path of the metrics endpoint",
+    DAEMON,
+    flag="--web.telemetry-path",
+)
+WEB_MAX_REQUESTS = _s(
+    "WEB_MAX_REQUESTS",
+    "int",
+    40,
+    "concurrent HTTP requests before 503 (0 = no limit)",
+    DAEMON,
+    flag="--web.max-requests",
+)
+ALLOW_UID = _s(
+    "ALLOW_UID",
+    "list",
+    None,
+    "also trust segments owned by these UIDs (space-separated; default own UID only): **set it to "
+    "the engine's UID**",
+    DAEMON,
+    CLI,
+    flag="--allow-uid",
+)
+ALLOW_ANY_UID = _s(
+    "ALLOW_ANY_UID",
+    "bool",
+    False,
+    "trust segments of any owner (not on shared hosts)",
+    DAEMON,
+    CLI,
+    flag="--allow-any-uid",
+)
+READY_REQUIRES_SOURCE = _s(
+    "READY_REQUIRES_SOURCE",
+    "bool",
+    False,
+    "`/-/ready` answers 503 until a segment is up",
+    DAEMON,
+    flag="--ready-requires-source",
+)
+WEB_DISABLE_EXPORTER_METRICS = _s(
+    "WEB_DISABLE_EXPORTER_METRICS",
+    "bool",
+    False,
+    "leave out `process_*`, `python_*` and `kvsidecar_http_*` (metrics about the daemon itself)",
+    DAEMON,
+    flag="--web.disable-exporter-metrics",
+)
+MAX_TARGETS = _s(
+    "MAX_TARGETS",
+    "int",
+    256,
+    "segments followed at once; further files are refused "
+    '(`kvsidecar_segment_refusals_total{reason="max_targets"}`)',
+    DAEMON,
+    flag="--max-targets",
+)
+MAX_POOLS_PER_RANK = _s(
+    "MAX_POOLS_PER_RANK",
+    "int",
+    64,
+    "per-target budget: more pools and the target is refused (checked before decoding)",
+    DAEMON,
+    flag="--max-pools-per-rank",
+)
+MAX_LABEL_LENGTH = _s(
+    "MAX_LABEL_LENGTH",
+    "int",
+    256,
+    "per-target budget: longest label value (engine, model_name, role, pool_name, info labels), in"
+    " characters",
+    DAEMON,
+    flag="--max-label-length",
+)
+MAX_SERIES_PER_TARGET = _s(
+    "MAX_SERIES_PER_TARGET",
+    "int",
+    4096,
+    "per-target budget: most series one segment may export",
+    DAEMON,
+    flag="--max-series-per-target",
+)
+MAX_PAYLOAD_BYTES = _s(
+    "MAX_PAYLOAD_BYTES",
+    "int",
+    1024 * 1024,
+    "per-target budget: largest slot read (the agent's default slot is 16 KiB)",
+    DAEMON,
+    flag="--max-payload-bytes",
+)
+LOG_LEVEL = _s(
+    "LOG_LEVEL",
+    "str",
+    "info",
+    "`debug`, `info`, `warn` (or `warning`), `error`",
+    DAEMON,
+    CLI,
+    flag="--log.level",
+)
+LOG_FORMAT = _s(
+    "LOG_FORMAT",
+    "str",
+    "logfmt",
+    "`logfmt` or `json`, one line per message on stderr",
+    DAEMON,
+    CLI,
+    flag="--log.format",
+)
+
+# -- benchmarks ------------------------------------------------------------------------------
+VLLM_PYTHON = _s(
+    "VLLM_PYTHON", "path", None, "`kvsidecar bench vllm`: the Python of the vLLM environment", BENCH
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in ALL}
+
+
+def without_ours(env: Mapping[str, str]) -> dict[str, str]:
+    """``env`` less every ``KVSIDECAR_*`` variable."""
+    return {k: v for k, v in env.items() if not k.startswith(ENV_PREFIX)}
+
+
+def _default(s: Setting) -> str:
+    if s.default is None:
+        return "none"
+    if s.type == "bool":
+        return "off"
+    return f"`{s.default}`"
+
+
+def markdown() -> str:
+    """docs/operations.md's table of variables (between the generated-section markers)."""
+    lines = [
+        "| flag | variable | type | default | used by | meaning |",
+        "|---|---|---|---|---|---|",
+    ]
+    for s in ALL:
+        flag = f"`{s.flag}`" if s.flag else ""
+        used = ", ".join(s.used_by)
+        lines.append(f"| {flag} | `{s.name}` | {s.type} | {_default(s)} | {used} | {s.meaning} |")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(markdown(), end="")
