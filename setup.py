@@ -18,6 +18,7 @@ setup(
         "kvsidecar.protocol",
         "kvsidecar.cli",
         "kvsidecar.daemon",
+        "kvsidecar.web",
         "kvsidecar.bench",
         "kvsidecar.agent",
         "kvsidecar.agent.demo",

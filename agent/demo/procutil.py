@@ -3,17 +3,14 @@ a JSONL record of finished requests and a periodic status line."""
 
 from __future__ import annotations
 
-import ctypes
 import json
-import os
 import signal
 import sys
 import time
 from typing import Any, TextIO
 
 from kvsidecar.stopflag import StopFlag
-
-_PR_SET_PDEATHSIG = 1
+from kvsidecar.supervise import parent_death_signal
 
 
 def install_stop_handlers() -> StopFlag:
@@ -31,15 +28,7 @@ def install_stop_handlers() -> StopFlag:
 
 def set_pdeathsig(parent: int, sig: int = signal.SIGTERM) -> None:
     """Linux: get `sig` when the parent dies, so a SIGKILLed launcher leaves no orphans."""
-    if not sys.platform.startswith("linux"):
-        return
-    try:
-        libc = ctypes.CDLL(None, use_errno=True)
-        libc.prctl(_PR_SET_PDEATHSIG, int(sig), 0, 0, 0)
-    except (OSError, AttributeError):
-        return
-    if os.getppid() != parent:  # the parent died before prctl took effect
-        os.kill(os.getpid(), sig)
+    parent_death_signal(sig)(parent)
 
 
 def log(role: str, message: str) -> None:

@@ -14,7 +14,6 @@ settings (segment names, shm directory) and collide with real engines.
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import importlib.util
 import os
 import shlex
@@ -33,17 +32,20 @@ from kvsidecar.cli.options import printable
 from kvsidecar.logsetup import LEVELS
 from kvsidecar.settings import DEFAULT_PORT, without_ours
 from kvsidecar.stopflag import StopFlag
+from kvsidecar.supervise import parent_death_signal
+from kvsidecar.web.listen_address import parse_listen_address
 
 DEFAULT_LISTEN = f"127.0.0.1:{DEFAULT_PORT}"
 STOP_GRACE_S = 10.0  # engines close their agents (unlink segments) within this
 
 
 def split_address(addr: str) -> tuple[str, int]:
-    """``host:port``, ``:port`` or ``[v6]:port`` -> (host, port); host "" = every address."""
-    host, sep, port = addr.rpartition(":")
-    if not sep or not port.isdigit():
-        raise click.BadParameter(f"{addr!r}: expected HOST:PORT", param_hint="--web.listen-address")
-    return host.strip("[]"), int(port)
+    """``host:port``, ``:port`` or ``[v6]:port`` -> (host, port); host "" = every address.
+    The daemon's parser, so the demo accepts exactly what ``serve`` accepts."""
+    try:
+        return parse_listen_address(addr)
+    except ValueError as e:
+        raise click.BadParameter(str(e), param_hint="--web.listen-address") from None
 
 
 def port_free(host: str, port: int) -> bool:
@@ -85,18 +87,12 @@ def tls_configured(web_config_file: str | None) -> bool:
 
 def _child_setup() -> Callable[[], None]:
     """preexec_fn: own process group, and SIGTERM when this process dies (Linux)."""
-    prctl = None
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(OSError, AttributeError):
-            prctl = ctypes.CDLL(None, use_errno=True).prctl  # resolved before fork
+    arm = parent_death_signal(signal.SIGTERM)
     parent = os.getpid()
 
     def setup() -> None:
         os.setpgid(0, 0)
-        if prctl is not None:
-            prctl(1, signal.SIGTERM, 0, 0, 0)  # PR_SET_PDEATHSIG
-            if os.getppid() != parent:
-                os._exit(1)
+        arm(parent)
 
     return setup
 

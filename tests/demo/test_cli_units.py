@@ -21,6 +21,14 @@ def test_split_address() -> None:
     assert split_address("[::1]:9400") == ("::1", 9400)
     with pytest.raises(click.BadParameter):
         split_address("localhost")
+    # One parser for serve and demo: what the daemon rejects, the demo rejects too.
+    from kvsidecar.web.listen_address import parse_listen_address
+
+    for bad in ("::1:9400", "[::1]9400", ":70000", "host:http", "[::1"):
+        with pytest.raises(ValueError):
+            parse_listen_address(bad)
+        with pytest.raises(click.BadParameter):
+            split_address(bad)
     assert url_host("") == "localhost" and url_host("::1") == "[::1]"
 
 
