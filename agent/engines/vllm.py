@@ -595,23 +595,21 @@ class VllmPoolSource:
             stats.frees_total += len(seen)
             src.cached += cached
 
-        def free_blocks(ordered_blocks: Iterable[Any], *a: Any, **kw: Any) -> Any:
-            blocks = ordered_blocks if isinstance(ordered_blocks, list) else list(ordered_blocks)
-            ret = orig_free(blocks, *a, **kw)
-            try:
-                _count_released(blocks)
-            except Exception as e:
-                _fail("free_blocks", e)
-            return ret
+        def _releasing(orig: Any, name: str) -> Any:
+            # free_blocks and unpin_blocks both drop references; count what reached 0.
+            def wrapper(blocks: Iterable[Any], *a: Any, **kw: Any) -> Any:
+                blocks = blocks if isinstance(blocks, list) else list(blocks)
+                ret = orig(blocks, *a, **kw)
+                try:
+                    _count_released(blocks)
+                except Exception as e:
+                    _fail(name, e)
+                return ret
 
-        def unpin_blocks(blocks: Iterable[Any], *a: Any, **kw: Any) -> Any:
-            blocks = blocks if isinstance(blocks, list) else list(blocks)
-            ret = orig_unpin(blocks, *a, **kw)
-            try:
-                _count_released(blocks)
-            except Exception as e:
-                _fail("unpin_blocks", e)
-            return ret
+            return wrapper
+
+        free_blocks = _releasing(orig_free, "free_blocks")
+        unpin_blocks = _releasing(orig_unpin, "unpin_blocks")
 
         def touch(blocks: Any, *a: Any, **kw: Any) -> Any:
             revived: dict[int, bool] = {}
