@@ -73,7 +73,7 @@ def test_a_trickling_target_counts_as_failed_and_does_not_hang_the_scraper(trick
 
 def test_a_healthy_target_is_scraped_at_about_the_asked_rate() -> None:
     class Metrics(http.server.BaseHTTPRequestHandler):
-        def do_GET(self) -> None:  # noqa: N802 - the stdlib's name
+        def do_GET(self) -> None:
             body = b"up 1\n"
             self.send_response(200)
             self.send_header("Content-Length", str(len(body)))
