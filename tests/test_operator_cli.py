@@ -314,7 +314,7 @@ def test_serve_refuses_a_bad_segment_name(shm_dir: str) -> None:
 
 def test_landing_page_lists_each_link_once(shm_dir: str) -> None:
     from kvsidecar.daemon.app import Daemon
-    from kvsidecar.daemon.http import WebServer
+    from kvsidecar.daemon.endpoints import WebServer
     from kvsidecar.daemon.targets import TargetSet
 
     server = WebServer(Daemon(TargetSet(shm_dir)), ["127.0.0.1:0"])

@@ -190,9 +190,12 @@ def serve(
     """Serve every segment's snapshots: Prometheus /metrics, JSON and health endpoints."""
     from kvsidecar.daemon.app import Daemon
     from kvsidecar.daemon.budget import Budget
-    from kvsidecar.daemon.http import HTTPStats, WebServer, raise_fd_limit
+    from kvsidecar.daemon.endpoints import WebServer
     from kvsidecar.daemon.targets import TargetSet
-    from kvsidecar.daemon.webconfig import WebConfigError, load_web_config
+    from kvsidecar.web.config import WebConfigError
+    from kvsidecar.web.config_file import load_web_config
+    from kvsidecar.web.sockets import raise_fd_limit
+    from kvsidecar.web.stats import HTTPStats
 
     setup_logging(log_level, log_format)
     log = logging.getLogger("kvsidecar")

@@ -28,9 +28,9 @@ from prometheus_client.openmetrics import exposition as openmetrics
 
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import CONTENT_TYPE, render_text
-from kvsidecar.daemon.http import HTTPStats
 from kvsidecar.daemon.targets import UP, TargetSet, TargetView
 from kvsidecar.protocol.schema import to_dict
+from kvsidecar.web.stats import HTTPStats
 
 _JSON = msgspec.json.Encoder()
 _READY_LIST_MAX = 64  # a probe answer stays short whatever the number of targets

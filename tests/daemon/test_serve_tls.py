@@ -14,6 +14,7 @@ import bcrypt
 import pytest
 
 from kvsidecar.bench.fleet import free_port
+from tests.certs import make_cert
 from tests.conftest import REPO
 from tests.procs import start_rank, wait_for
 
@@ -34,30 +35,7 @@ def _get(port: int, path: str, ctx: ssl.SSLContext, auth: tuple[str, str] | None
 def test_tls_and_basic_auth_through_serve(shm_dir: str, tmp_path) -> None:
     if shutil.which("openssl") is None:
         pytest.skip("openssl CLI not installed")
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            str(tmp_path / "tls.key"),
-            "-out",
-            str(tmp_path / "tls.crt"),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
+    make_cert(tmp_path, "tls")
     hashed = bcrypt.hashpw(b"s3cret", bcrypt.gensalt(rounds=4)).decode()
     (tmp_path / "web.yml").write_text(
         "tls_server_config:\n  cert_file: tls.crt\n  key_file: tls.key\n  min_version: TLS12\n"

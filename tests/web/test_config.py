@@ -13,16 +13,12 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from kvsidecar.daemon import web_auth
-from kvsidecar.daemon.webconfig import (
-    BasicAuth,
-    WebConfigError,
-    build_ssl_context,
-    load_web_config,
-    parse_duration,
-    parse_web_config,
-    peer_san_allowed,
-)
+from kvsidecar.web import basic_auth as web_auth
+from kvsidecar.web.basic_auth import BasicAuth
+from kvsidecar.web.config import WebConfigError
+from kvsidecar.web.config_file import load_web_config, parse_duration, parse_web_config
+from kvsidecar.web.tls_context import build_ssl_context, peer_san_allowed
+from tests.certs import make_cert
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "web-config.example.yml"
@@ -31,36 +27,6 @@ EXAMPLE_USER, EXAMPLE_PASSWORD = "prometheus", "kvsidecar-example-password"  # d
 requires_openssl = pytest.mark.skipif(
     shutil.which("openssl") is None, reason="openssl CLI not installed"
 )
-
-
-def make_cert(directory: Path, name: str = "server") -> tuple[Path, Path]:
-    """A self-signed EC certificate for localhost (EC: fast to generate)."""
-    cert, key = directory / f"{name}.crt", directory / f"{name}.key"
-    subprocess.run(
-        [
-            "openssl",
-            "req",
-            "-x509",
-            "-newkey",
-            "ec",
-            "-pkeyopt",
-            "ec_paramgen_curve:P-256",
-            "-nodes",
-            "-keyout",
-            str(key),
-            "-out",
-            str(cert),
-            "-days",
-            "2",
-            "-subj",
-            "/CN=localhost",
-            "-addext",
-            "subjectAltName=DNS:localhost,IP:127.0.0.1",
-        ],
-        check=True,
-        capture_output=True,
-    )
-    return cert, key
 
 
 @pytest.fixture(scope="module")

@@ -15,7 +15,7 @@ import bcrypt
 import pytest
 
 from kvsidecar.bench.fleet import start_daemon, stop_daemon
-from kvsidecar.daemon.webconfig import BasicAuth
+from kvsidecar.web.basic_auth import BasicAuth
 
 FLOOD_THREADS = 150
 
@@ -125,7 +125,7 @@ def test_identical_checks_share_one_bcrypt(monkeypatch: pytest.MonkeyPatch) -> N
 def _gate_order(jobs: list[tuple[str, str, bool]]) -> list[str]:
     """Run (name, key, suspect) jobs through a one-worker AuthGate, the first one
     blocking until all are queued; the order they ran in."""
-    from kvsidecar.daemon.web_auth import AuthGate
+    from kvsidecar.web.basic_auth import AuthGate
 
     order: list[str] = []
     release = threading.Event()

@@ -1,44 +1,44 @@
-"""The daemon's HTTP layer, exporter-toolkit style, independent of where metrics come from.
+"""The HTTP(S) server, exporter-toolkit style: it serves routes it is given and knows
+nothing of what they render.
 
-Routes: the telemetry path (``/metrics``), ``/api/v1/snapshots``, ``/-/healthy``,
-``/-/ready`` and a landing page at ``/``. The web config (`webconfig`) adds
-TLS, basic auth (never on the health endpoints: probes carry no credentials),
-extra headers and a rate limit.
+Besides the routes, it answers ``/-/healthy`` itself and ``/-/ready`` from a readiness
+callback; the web config (`config_file`) adds TLS, basic auth (never on those two: probes
+carry no credentials), extra headers and a rate limit.
 
 Robustness: one event loop thread accepts, handshakes and reads every request head
 under one deadline per head (not per read), so a client trickling bytes costs a socket,
-never a thread; complete requests go to a small pool of worker threads.
+never a thread; complete requests go to a small pool of worker threads (`workers`).
 ``/-/healthy`` is answered on the loop itself and ``/-/ready`` has threads of its own,
-so probes answer while scrapes are slow or the connection table is full of tricklers.
+so probes answer while renders are slow or the connection table is full of tricklers.
 At the connection cap the connection that has waited longest for its request head is
 closed. ``max_requests`` answers 503 at once above N concurrent requests instead of
 queueing (node_exporter's ``--web.max-requests``). Malformed requests get 400/414/431/505
-and one throttled log line (`web_request`); bcrypt checks are bounded and fair
-(`web_auth`).
+and one throttled log line (`request`); bcrypt checks are bounded and fair
+(`basic_auth`).
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import errno
-import gzip
-import html
 import logging
-import queue
 import resource
 import socket
 import ssl
 import threading
 import time
 from collections import OrderedDict
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
-from kvsidecar.daemon.web_auth import AuthGate, BasicAuth
-from kvsidecar.daemon.web_live import LiveConfig, LiveState
-from kvsidecar.daemon.web_request import (
+from kvsidecar.web.basic_auth import AuthGate, BasicAuth
+from kvsidecar.web.compression import accepts_gzip, gzip_cached
+from kvsidecar.web.config import WebConfig
+from kvsidecar.web.listen_address import parse_listen_address
+from kvsidecar.web.live_config import LiveConfig, LiveState
+from kvsidecar.web.log_throttle import Throttled
+from kvsidecar.web.request import (
     MAX_HEAD_BYTES,
     MAX_HEADERS,
     MAX_REQUEST_LINE,
@@ -47,275 +47,32 @@ from kvsidecar.daemon.web_request import (
     parse_head,
     response_head,
 )
-from kvsidecar.daemon.web_tls import TLSReader, TLSWriter, handshake
-from kvsidecar.daemon.webconfig import WebConfig, peer_san_allowed
-from kvsidecar.web.listen_address import parse_listen_address
+from kvsidecar.web.sockets import BACKLOG, bind, format_address
+from kvsidecar.web.stats import HTTPStats
+from kvsidecar.web.tls_context import peer_san_allowed
+from kvsidecar.web.tls_stream import TLSReader, TLSWriter, handshake
+from kvsidecar.web.workers import Limiter, Workers
 
-log = logging.getLogger(__name__)
+log = logging.getLogger("kvsidecar.web")
 
-__all__ = [
-    "DEFAULT_BUCKETS",
-    "HTTPStats",
-    "HTTPStatsSnapshot",
-    "Handlers",
-    "HistogramSnapshot",
-    "WebServer",
-    "parse_listen_address",
-    "raise_fd_limit",
-]
+__all__ = ["HEALTHY_PATH", "READY_PATH", "Render", "WebServer"]
 
-SNAPSHOTS_PATH = "/api/v1/snapshots"
 HEALTHY_PATH = "/-/healthy"
 READY_PATH = "/-/ready"
-LANDING_PATH = "/"
+PROBE_PATHS = (HEALTHY_PATH, READY_PATH)
 OTHER = "other"  # handler label for unknown paths and unparseable requests
 _PLAIN = "text/plain; charset=utf-8"
-BACKLOG = 1024  # a burst of connects waits in the kernel, not refused
 FD_RESERVE = 128  # fds kept free of connections: segments, logs, listeners
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
 
-
-class Handlers(Protocol):
-    """What the HTTP layer needs from the rest of the daemon."""
-
-    def metrics(self, accept_header: str) -> tuple[bytes, str]:
-        """Exposition body and its content type; the implementation picks OpenMetrics or text."""
-        ...
-
-    def snapshots_json(self) -> bytes:
-        """The current snapshots as JSON."""
-        ...
-
-    def ready(self) -> tuple[bool, str]:
-        """(ready, reason); the reason is the 503 body when not ready."""
-        ...
-
-    @property
-    def landing_links(self) -> Sequence[tuple[str, str]]:
-        """Extra (href, text) links for the landing page."""
-        ...
+Render = Callable[[Request], tuple[bytes, str]]
+"""A route: runs on a worker thread, returns the body and its content type."""
 
 
-# --- self-metrics ------------------------------------------------------------------------------
-
-# prometheus_client's default buckets: scrapes are ms, a busy daemon may take seconds.
-DEFAULT_BUCKETS: tuple[float, ...] = (
-    0.005,
-    0.01,
-    0.025,
-    0.05,
-    0.075,
-    0.1,
-    0.25,
-    0.5,
-    0.75,
-    1.0,
-    2.5,
-    5.0,
-    7.5,
-    10.0,
-)
-
-
-@dataclass(frozen=True)
-class HistogramSnapshot:
-    """Cumulative buckets as (upper bound, count), the last bound is +Inf; ready for
-    ``HistogramMetricFamily(buckets=[(str(le), n) ...], sum_value=sum)``."""
-
-    buckets: tuple[tuple[float, int], ...]
-    sum: float
-    count: int
-
-
-@dataclass(frozen=True)
-class HTTPStatsSnapshot:
-    requests: Mapping[tuple[str, str], int]  # (handler, code) -> requests
-    durations: Mapping[str, HistogramSnapshot]  # handler -> request duration seconds
-    in_flight: int  # requests being rendered now (the ones max_requests counts)
-    rejected_connections: int  # closed for max_connections: the longest-waiting, or a newcomer
-    tls_handshake_errors: int  # failed handshakes, refused protocol versions, SAN mismatches
-
-
-class HTTPStats:
-    """Thread-safe request counters and duration histograms, keyed by a bounded
-    handler label (the route, or ``other``), never the raw path."""
-
-    def __init__(self, buckets: Sequence[float] = DEFAULT_BUCKETS) -> None:
-        self.bounds = (*sorted(buckets), float("inf"))
-        self._lock = threading.Lock()
-        self._requests: dict[tuple[str, str], int] = {}
-        self._hist: dict[str, list[float]] = {}  # per-bucket counts, then sum, then count
-        self._in_flight = 0
-        self._rejected = 0
-        self._tls_errors = 0
-
-    def observe(self, handler: str, code: int, seconds: float) -> None:
-        with self._lock:
-            key = (handler, str(code))
-            self._requests[key] = self._requests.get(key, 0) + 1
-            h = self._hist.get(handler)
-            if h is None:
-                h = self._hist[handler] = [0.0] * (len(self.bounds) + 2)
-            for i, bound in enumerate(self.bounds):
-                if seconds <= bound:
-                    h[i] += 1
-                    break
-            h[-2] += seconds
-            h[-1] += 1
-
-    def _add(self, name: str, delta: int) -> None:
-        with self._lock:
-            setattr(self, name, getattr(self, name) + delta)
-
-    def request_started(self) -> None:
-        self._add("_in_flight", 1)
-
-    def request_finished(self) -> None:
-        self._add("_in_flight", -1)
-
-    def connection_rejected(self) -> None:
-        self._add("_rejected", 1)
-
-    def tls_handshake_failed(self) -> None:
-        self._add("_tls_errors", 1)
-
-    def snapshot(self) -> HTTPStatsSnapshot:
-        with self._lock:
-            durations = {}
-            for handler, h in self._hist.items():
-                running, buckets = 0, []
-                for bound, n in zip(self.bounds, h, strict=False):
-                    running += int(n)
-                    buckets.append((bound, running))
-                durations[handler] = HistogramSnapshot(tuple(buckets), h[-2], int(h[-1]))
-            return HTTPStatsSnapshot(
-                requests=dict(self._requests),
-                durations=durations,
-                in_flight=self._in_flight,
-                rejected_connections=self._rejected,
-                tls_handshake_errors=self._tls_errors,
-            )
-
-
-# --- limits ------------------------------------------------------------------------------------
-
-
-class _Limiter:
-    """At most ``limit`` holders (0 = unlimited); ``try_acquire`` never waits."""
-
-    def __init__(self, limit: int) -> None:
-        self._sem = threading.BoundedSemaphore(limit) if limit > 0 else None
-
-    def try_acquire(self) -> bool:
-        return self._sem is None or self._sem.acquire(blocking=False)
-
-    def release(self) -> None:
-        if self._sem is not None:
-            self._sem.release()
-
-
-# --- listen addresses --------------------------------------------------------------------------
-
-
-def _format_address(sockaddr: tuple) -> str:
-    host, port = sockaddr[0], sockaddr[1]
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _listen_socket(
-    sockaddr: tuple, family: socket.AddressFamily, dualstack: bool = False
-) -> socket.socket:
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        if dualstack:
-            sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 0)
-        sock.bind(sockaddr)
-        sock.listen(BACKLOG)
-    except BaseException:
-        sock.close()
-        raise
-    return sock
-
-
-# --- connections -------------------------------------------------------------------------------
-
-
-def raise_fd_limit() -> int:
-    """Raise the soft RLIMIT_NOFILE to the hard limit (each connection is an fd); the new
-    soft limit. Idempotent; a refusal (rare: a seccomp filter) keeps the old limit."""
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if hard == resource.RLIM_INFINITY or soft < hard:
-        target = hard if hard != resource.RLIM_INFINITY else max(soft, 1 << 20)
-        try:
-            resource.setrlimit(resource.RLIMIT_NOFILE, (target, hard))
-            soft = target
-        except (OSError, ValueError) as e:
-            log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, e)
-    return soft
-
-
-class _Throttled:
-    """One log line per ``interval_s`` at most, saying how many were held back: a flood
-    of bad requests must not become a flood of log lines."""
-
-    def __init__(self, level: int, interval_s: float = 1.0) -> None:
-        self.level, self.interval_s = level, interval_s
-        self._next = 0.0
-        self._held = 0
-
-    def __call__(self, msg: str, *args: object) -> None:
-        now = time.monotonic()
-        if now < self._next:
-            self._held += 1
-            return
-        if self._held:
-            msg += f" ({self._held} similar not logged)"
-        self._next, self._held = now + self.interval_s, 0
-        log.log(self.level, msg, *args)
-
-
-class _Workers:
-    """A fixed set of threads, all started at once: the daemon's thread count (and its
-    memory map) stays flat whatever the load, well inside the unit's TasksMax."""
-
-    def __init__(self, n: int, name: str) -> None:
-        self._jobs: queue.SimpleQueue[tuple | None] = queue.SimpleQueue()
-        self._threads = [
-            threading.Thread(target=self._run, name=f"{name}-{i}", daemon=True) for i in range(n)
-        ]
-        for t in self._threads:
-            t.start()
-
-    def submit(self, loop: asyncio.AbstractEventLoop, fn: Any, *args: Any) -> asyncio.Future:
-        future = loop.create_future()
-        self._jobs.put((loop, future, fn, args))
-        return future
-
-    def _run(self) -> None:
-        while (job := self._jobs.get()) is not None:
-            loop, future, fn, args = job
-            try:
-                outcome = (fn(*args), None)
-            except Exception as e:
-                outcome = (None, e)
-            with contextlib.suppress(RuntimeError):  # the loop is closed: nobody waits
-                loop.call_soon_threadsafe(_settle, future, *outcome)
-
-    def close(self) -> None:
-        for _ in self._threads:
-            self._jobs.put(None)
-
-
-def _settle(future: asyncio.Future, result: Any, error: Exception | None) -> None:
-    if future.cancelled():
-        return
-    if error is not None:
-        future.set_exception(error)
-    else:
-        future.set_result(result)
+def _always_ready() -> tuple[bool, str]:
+    return True, ""
 
 
 @dataclass(eq=False)
@@ -372,16 +129,16 @@ class _Front:
         self.loop.set_exception_handler(self._loop_error)
         # Renders hold the GIL: more threads would not make them faster, only queue
         # inside the interpreter. Up to max_requests are admitted, RENDER_THREADS run.
-        self.render_pool = _Workers(RENDER_THREADS, "kvsidecar-http")
-        self.probe_pool = _Workers(2, "kvsidecar-probe")
+        self.render_pool = Workers(RENDER_THREADS, "kvsidecar-http")
+        self.probe_pool = Workers(2, "kvsidecar-probe")
         self.auth_gate = AuthGate()
         self.open: set[_Conn] = set()
         # Connections waiting for a request head (or a handshake), oldest first: the ones
         # closed to make room when the cap is reached. Busy ones are never evicted.
         self.waiting: OrderedDict[_Conn, None] = OrderedDict()
         self.servers: list[asyncio.base_events.Server] = []
-        self.log_bad = _Throttled(logging.INFO)
-        self.log_loop = _Throttled(logging.WARNING)
+        self.log_bad = Throttled(logging.INFO)
+        self.log_loop = Throttled(logging.WARNING)
 
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -418,7 +175,7 @@ class _Front:
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("?", 0)
-        conn = _Conn(reader, writer, _format_address(peername), str(peername[0]))
+        conn = _Conn(reader, writer, format_address(peername), str(peername[0]))
         conn.task = asyncio.current_task()
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -505,14 +262,15 @@ class _Front:
 
     async def _answer(self, conn: _Conn, request: Request) -> tuple[int, str]:
         web = self.web
-        route = web._routes.get(request.path)
+        path = request.path
+        known = path in web.routes or path in PROBE_PATHS
         state = web._live.current()
         headers = dict(state.cfg.http.headers) if state.cfg is not None else {}
         ctype = _PLAIN
         close = not request.keep_alive
-        if route == HEALTHY_PATH:
+        if path == HEALTHY_PATH:
             status, body = 200, b"OK"  # always, never behind auth: probes carry no credentials
-        elif route == READY_PATH:
+        elif path == READY_PATH:
             ok, reason = await self._ready()
             status, body = (200, b"OK") if ok else (503, (reason or "not ready").encode())
         elif state.bucket is not None and not state.bucket.allow():
@@ -531,7 +289,7 @@ class _Front:
                     await asyncio.sleep(FAILED_AUTH_DELAY_S)
                 headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
                 status, body = 401, b"401 unauthorized\n"
-        elif route is None:
+        elif not known:
             status, body = 404, b"404 page not found\n"
         elif not web._requests.try_acquire():
             # Refuse at once rather than queue: a queued scrape would time out anyway.
@@ -540,12 +298,12 @@ class _Front:
             web.stats.request_started()
             try:
                 body, ctype, extra = await self.render_pool.submit(
-                    self.loop, web._render, route, request
+                    self.loop, web._render, path, request
                 )
                 status = 200
                 headers.update(extra)
             except Exception:
-                log.exception("rendering %s failed", route)
+                log.exception("rendering %s failed", path)
                 status, body, ctype = (
                     500,
                     b"500 internal server error, see the kvsidecar log\n",
@@ -561,12 +319,12 @@ class _Front:
             await self._linger(conn)  # the unread body must not turn the close into a RST
         elif close:
             self._close(conn)
-        return status, route or OTHER
+        return status, path if known else OTHER
 
     async def _ready(self) -> tuple[bool, str]:
         try:
             return await asyncio.wait_for(
-                self.probe_pool.submit(self.loop, self.web.handlers.ready),
+                self.probe_pool.submit(self.loop, self.web.ready),
                 READY_TIMEOUT_S,
             )
         except TimeoutError:
@@ -671,45 +429,11 @@ class _Front:
         self.auth_gate.close()
 
 
-_gzip_last: tuple[bytes, bytes] = (b"", gzip.compress(b"", mtime=0))
-
-
-def _gzip_cached(body: bytes) -> bytes:
-    """Compress, reusing the last result for the same body object.
-
-    The daemon renders /metrics once per poll and hands every scrape the same
-    bytes object; compressing 200 KB costs ~3 ms, so repeat scrapes reuse it.
-    """
-    global _gzip_last
-    last_body, last_gz = _gzip_last
-    if body is last_body:
-        return last_gz
-    gz = gzip.compress(body, compresslevel=6, mtime=0)
-    _gzip_last = (body, gz)  # one tuple store: atomic for concurrent handler threads
-    return gz
-
-
-def _accepts_gzip(accept_encoding: str) -> bool:
-    for item in accept_encoding.split(","):
-        coding, _, params = item.strip().partition(";")
-        if coding.strip().lower() not in ("gzip", "x-gzip"):
-            continue
-        q = 1.0
-        for param in params.split(";"):
-            name, _, value = param.strip().partition("=")
-            if name.strip().lower() == "q":
-                try:
-                    q = float(value)
-                except ValueError:
-                    q = 0.0
-        return q > 0
-    return False
-
-
 class WebServer:
-    """The daemon's HTTP(S) server on one or more listen addresses.
+    """An HTTP(S) server for ``routes`` (path -> `Render`) on one or more listen addresses.
 
-    ``max_requests`` caps requests admitted at once, above it 503 (0 = no cap; health
+    ``ready`` answers ``/-/ready`` (on threads of its own, 503 after `READY_TIMEOUT_S`).
+    ``max_requests`` caps requests admitted at once, above it 503 (0 = no cap; the probe
     endpoints are exempt); `RENDER_THREADS` of them render at a time, the others wait
     their turn. ``max_connections`` caps open connections;
     at the cap the connection that has waited longest for its request is closed to make
@@ -720,48 +444,37 @@ class WebServer:
 
     def __init__(
         self,
-        handlers: Handlers,
+        routes: Mapping[str, Render],
         listen_addresses: Sequence[str],
         *,
-        telemetry_path: str = "/metrics",
+        ready: Callable[[], tuple[bool, str]] = _always_ready,
         web_config: WebConfig | None = None,
         max_requests: int = 40,
         max_connections: int = 1024,
         request_timeout_s: float = 10.0,
         stats: HTTPStats | None = None,
         realm: str = "kvsidecar",
-        title: str = "kvsidecar",
-        version: str | None = None,
         config_check_interval_s: float = 1.0,
     ) -> None:
         if not listen_addresses:
             raise ValueError("at least one listen address is required")
         self._listen = [(a, *parse_listen_address(a)) for a in listen_addresses]
-        if not telemetry_path.startswith("/") or telemetry_path in (
-            LANDING_PATH,
-            SNAPSHOTS_PATH,
-            HEALTHY_PATH,
-            READY_PATH,
-        ):
-            raise ValueError(
-                f"invalid telemetry path {telemetry_path!r}: it must start with / "
-                "and not be /, /api/v1/snapshots, /-/healthy or /-/ready"
-            )
+        for path in routes:
+            if not path.startswith("/") or path in PROBE_PATHS:
+                raise ValueError(
+                    f"invalid route path {path!r}: it must start with / and not be "
+                    f"{' or '.join(PROBE_PATHS)} (the server answers those itself)"
+                )
         if max_requests < 0 or max_connections < 0:
             raise ValueError("max_requests and max_connections must be >= 0 (0 = unlimited)")
-        self.handlers = handlers
-        self.telemetry_path = telemetry_path
+        self.routes = dict(routes)
+        self.ready = ready
         self.max_requests = max_requests
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
-        self.title = title
-        self.version = version
-        self._routes = {
-            p: p for p in (telemetry_path, SNAPSHOTS_PATH, HEALTHY_PATH, READY_PATH, LANDING_PATH)
-        }
-        self._requests = _Limiter(max_requests)
+        self._requests = Limiter(max_requests)
         self._live = LiveConfig(web_config, config_check_interval_s)
         for note in web_config.notes if web_config is not None else ():
             log.warning("web config: %s", note)
@@ -776,7 +489,7 @@ class WebServer:
     @property
     def addresses(self) -> list[str]:
         """The bound addresses as host:port ([v6]:port), with real ports for port 0."""
-        return [_format_address(s.getsockname()) for s in self._sockets]
+        return [format_address(s.getsockname()) for s in self._sockets]
 
     def reload(self) -> bool:
         """Re-read the web config file now (SIGHUP); False if the new one is invalid and
@@ -790,7 +503,7 @@ class WebServer:
         try:
             for text, host, port in self._listen:
                 try:
-                    self._sockets.append(self._bind(host, port))
+                    self._sockets.append(bind(host, port))
                 except OSError as e:
                     raise OSError(e.errno, f"cannot listen on {text}: {e.strerror or e}") from e
         except BaseException:
@@ -819,20 +532,6 @@ class WebServer:
         for address in self.addresses:
             log.info("listening on %s://%s", scheme, address)
 
-    def _bind(self, host: str, port: int) -> socket.socket:
-        if host == "":
-            # ":port" means every interface: IPv6 dual-stack when the kernel has it.
-            if socket.has_dualstack_ipv6():
-                try:
-                    return _listen_socket(("::", port), socket.AF_INET6, dualstack=True)
-                except OSError as e:
-                    if e.errno == errno.EADDRINUSE:
-                        raise
-            return _listen_socket(("0.0.0.0", port), socket.AF_INET)
-        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
-        family, _, _, _, sockaddr = infos[0]
-        return _listen_socket(sockaddr, family)
-
     def shutdown(self) -> None:
         """Stop accepting, close the listeners and every connection."""
         if self._front is not None:
@@ -851,38 +550,11 @@ class WebServer:
     def __exit__(self, *exc: object) -> None:
         self.shutdown()
 
-    def _render(self, route: str, request: Request) -> tuple[bytes, str, dict[str, str]]:
+    def _render(self, path: str, request: Request) -> tuple[bytes, str, dict[str, str]]:
         """Runs on a worker thread: the body, its type and encoding headers."""
-        if route == self.telemetry_path:
-            body, ctype = self.handlers.metrics(request.header("accept"))
-        elif route == SNAPSHOTS_PATH:
-            body, ctype = self.handlers.snapshots_json(), "application/json"
-        else:
-            body, ctype = self.landing_page(), "text/html; charset=utf-8"
+        body, ctype = self.routes[path](request)
         headers = {"Vary": "Accept-Encoding"}
-        if _accepts_gzip(request.header("accept-encoding")):
-            body = _gzip_cached(body)
+        if accepts_gzip(request.header("accept-encoding")):
+            body = gzip_cached(body)
             headers["Content-Encoding"] = "gzip"
         return body, ctype, headers
-
-    def landing_page(self) -> bytes:
-        links = [
-            (self.telemetry_path, "Metrics"),
-            (SNAPSHOTS_PATH, "Snapshots (JSON)"),
-            (HEALTHY_PATH, "Health"),
-            (READY_PATH, "Readiness"),
-            *self.handlers.landing_links,
-        ]
-        items = "\n".join(
-            # "./metrics" rather than "/metrics": works behind a path-prefix proxy too.
-            f'<li><a href="{html.escape("." + href if href.startswith("/") else href)}">'
-            f"{html.escape(text)}</a></li>"
-            for href, text in links
-        )
-        title = html.escape(self.title)
-        version = f"<p>Version: {html.escape(self.version)}</p>\n" if self.version else ""
-        return (
-            '<!DOCTYPE html>\n<html>\n<head><meta charset="utf-8">'
-            f"<title>{title}</title></head>\n<body>\n<h1>{title}</h1>\n"
-            f"<p>KV-cache monitoring sidecar</p>\n{version}<ul>\n{items}\n</ul>\n</body>\n</html>\n"
-        ).encode()

@@ -23,8 +23,8 @@ import pytest
 
 from kvsidecar.bench.fleet import fd_count, start_daemon, stop_daemon
 from kvsidecar.bench.hostile_clients import Tricklers, _self_signed
-from kvsidecar.daemon.http import WebServer
-from tests.daemon.test_http import FakeHandlers, port_of
+from kvsidecar.daemon.endpoints import WebServer
+from tests.web.test_server import FakeHandlers, port_of
 
 TRICKLERS = 1000
 

@@ -11,8 +11,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.daemon.http import WebServer
-from tests.daemon.test_http import FakeHandlers, port_of
+from kvsidecar.daemon.endpoints import WebServer
+from tests.web.test_server import FakeHandlers, port_of
 
 
 @pytest.fixture(scope="module")

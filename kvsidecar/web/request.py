@@ -3,7 +3,7 @@
 Every malformed input is a `BadRequest` carrying the status to answer (400, 405,
 414, 431, 505) and a short reason for the one log line; nothing else escapes
 `parse_head`, so no request, however broken, can produce a traceback or go
-unanswered (tests/daemon/test_http_fuzz.py drives it with hypothesis).
+unanswered (tests/web/test_request_fuzz.py drives it with hypothesis).
 """
 
 from __future__ import annotations

@@ -17,8 +17,11 @@ from pathlib import Path
 import bcrypt
 import pytest
 
-from kvsidecar.daemon.http import HTTPStats, WebServer, parse_listen_address
-from kvsidecar.daemon.webconfig import WebConfig, load_web_config, parse_web_config
+from kvsidecar.daemon.endpoints import WebServer
+from kvsidecar.web.config import WebConfig
+from kvsidecar.web.config_file import load_web_config, parse_web_config
+from kvsidecar.web.listen_address import parse_listen_address
+from kvsidecar.web.stats import HTTPStats
 
 METRICS = b"# HELP kv_test A test gauge.\n# TYPE kv_test gauge\n" + b"kv_test 1\n" * 200
 METRICS_TYPE = "text/plain; version=0.0.4; charset=utf-8"

@@ -33,7 +33,7 @@ __all__ = ["BCRYPT_WORKERS", "AuthGate", "BasicAuth", "hash_cost"]
 
 _Round = collections.OrderedDict[str, collections.deque]
 
-BCRYPT_WORKERS = 1  # bcrypt checks at once, for the whole daemon
+BCRYPT_WORKERS = 1  # bcrypt checks at once, for the whole process
 MAX_PENDING = 512  # queued checks beyond this are refused at once (429)
 
 

@@ -11,16 +11,12 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvsidecar.daemon.web_auth import BasicAuth
-from kvsidecar.daemon.webconfig import (
-    RateLimitConfig,
-    WebConfig,
-    WebConfigError,
-    build_ssl_context,
-    load_web_config,
-)
+from kvsidecar.web.basic_auth import BasicAuth
+from kvsidecar.web.config import RateLimitConfig, WebConfig, WebConfigError
+from kvsidecar.web.config_file import load_web_config
+from kvsidecar.web.tls_context import build_ssl_context
 
-log = logging.getLogger("kvsidecar.daemon.http")
+log = logging.getLogger("kvsidecar.web")
 
 __all__ = ["LiveConfig", "LiveState", "TokenBucket"]
 

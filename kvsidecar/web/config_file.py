@@ -19,128 +19,30 @@ Differences from exporter-toolkit, all reported as errors or `WebConfig.notes`:
 
 from __future__ import annotations
 
-import ipaddress
-import logging
 import os
 import re
 import ssl
-import tempfile
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 import yaml
 
-from kvsidecar.daemon.web_auth import BasicAuth  # re-exported: the public name lives here
+from kvsidecar.web.config import (
+    ALLOWED_HEADERS,
+    CLIENT_AUTH_TYPES,
+    TLS_VERSIONS,
+    HTTPServerConfig,
+    RateLimitConfig,
+    TLSServerConfig,
+    WebConfig,
+    WebConfigError,
+)
+from kvsidecar.web.tls_context import build_ssl_context
 
-log = logging.getLogger(__name__)
-
-__all__ = [
-    "BasicAuth",
-    "HTTPServerConfig",
-    "RateLimitConfig",
-    "TLSServerConfig",
-    "WebConfig",
-    "WebConfigError",
-    "build_ssl_context",
-    "load_web_config",
-    "parse_duration",
-    "parse_web_config",
-    "peer_san_allowed",
-]
-
-
-class WebConfigError(ValueError):
-    """A web config file is unusable; the message is one line naming problem and fix."""
-
-
-TLS_VERSIONS: dict[str, ssl.TLSVersion] = {
-    "TLS10": ssl.TLSVersion.TLSv1,
-    "TLS11": ssl.TLSVersion.TLSv1_1,
-    "TLS12": ssl.TLSVersion.TLSv1_2,
-    "TLS13": ssl.TLSVersion.TLSv1_3,
-}
-
-# Go crypto/tls ClientAuthType names -> ssl verify mode. None: not supported.
-CLIENT_AUTH_TYPES: dict[str, ssl.VerifyMode | None] = {
-    "NoClientCert": ssl.CERT_NONE,
-    "VerifyClientCertIfGiven": ssl.CERT_OPTIONAL,
-    "RequireAndVerifyClientCert": ssl.CERT_REQUIRED,
-    "RequestClientCert": None,
-    "RequireAnyClientCert": None,
-    "RequireClientCert": None,
-}
-
-# exporter-toolkit's allow-list (web/handler.go extraHTTPHeaders); None = any value.
-ALLOWED_HEADERS: dict[str, tuple[str, ...] | None] = {
-    "Strict-Transport-Security": None,
-    "X-Content-Type-Options": ("nosniff",),
-    "X-Frame-Options": ("deny", "sameorigin"),
-    "X-XSS-Protection": None,
-    "Content-Security-Policy": None,
-}
+__all__ = ["load_web_config", "parse_duration", "parse_web_config"]
 
 _BCRYPT_RE = re.compile(r"^\$2[abxy]?\$(\d\d)\$[./A-Za-z0-9]{53}$")
-
-
-@dataclass(frozen=True)
-class TLSServerConfig:
-    """``tls_server_config``; file paths are already absolute (joined with the config's dir)."""
-
-    cert_file: str | None = None
-    key_file: str | None = None
-    cert: str | None = None
-    key: str | None = field(default=None, repr=False)
-    client_ca_file: str | None = None
-    client_ca: str | None = None
-    client_auth_type: str = "NoClientCert"
-    client_allowed_sans: tuple[str, ...] = ()
-    min_version: str = "TLS12"
-    max_version: str = "TLS13"
-    prefer_server_cipher_suites: bool = True
-    cipher_suites: tuple[str, ...] = ()
-    curve_preferences: tuple[str, ...] = ()
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        """Files the TLS context is built from, for change detection."""
-        paths = (self.cert_file, self.key_file, self.client_ca_file)
-        return tuple(p for p in paths if p)
-
-
-@dataclass(frozen=True)
-class HTTPServerConfig:
-    """``http_server_config``: extra response headers (``http2`` is accepted and ignored)."""
-
-    headers: Mapping[str, str] = field(default_factory=dict)
-    http2: bool = True
-
-
-@dataclass(frozen=True)
-class RateLimitConfig:
-    """``rate_limit``: a token bucket, one token per ``interval_s``, ``burst`` tokens deep."""
-
-    interval_s: float
-    burst: int
-
-
-@dataclass(frozen=True)
-class WebConfig:
-    """A validated web config. ``path`` is the file it came from (None when parsed from text)."""
-
-    tls: TLSServerConfig | None = None
-    http: HTTPServerConfig = field(default_factory=HTTPServerConfig)
-    basic_auth_users: Mapping[str, str] = field(default_factory=dict, repr=False)
-    rate_limit: RateLimitConfig | None = None
-    path: str | None = None
-    notes: tuple[str, ...] = ()
-
-    @property
-    def files(self) -> tuple[str, ...]:
-        """The config file plus every file it references, for reload-on-change."""
-        own = (self.path,) if self.path else ()
-        return own + (self.tls.files if self.tls else ())
 
 
 # --- YAML -------------------------------------------------------------------------------------
@@ -461,83 +363,3 @@ def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     except WebConfigError as e:
         raise WebConfigError(f"{p}: {e}") from None
     return cfg
-
-
-# --- TLS ---------------------------------------------------------------------------------------
-
-
-def _check_readable(key: str, path: str) -> None:
-    try:
-        with open(path, "rb"):
-            pass
-    except OSError as e:
-        raise WebConfigError(f"tls_server_config.{key} {path}: {e.strerror or e}") from None
-
-
-def build_ssl_context(tls: TLSServerConfig) -> ssl.SSLContext:
-    """A server-side `ssl.SSLContext` for ``tls``; raises `WebConfigError` on bad files."""
-    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-    ctx.minimum_version = TLS_VERSIONS[tls.min_version]
-    ctx.maximum_version = TLS_VERSIONS[tls.max_version]
-    if tls.prefer_server_cipher_suites:
-        ctx.options |= ssl.OP_CIPHER_SERVER_PREFERENCE
-    # Answer ALPN with http/1.1 so HTTP/2-capable clients (Go) don't try h2.
-    ctx.set_alpn_protocols(["http/1.1"])
-    for key in ("cert_file", "key_file", "client_ca_file"):
-        if getattr(tls, key):
-            _check_readable(key, getattr(tls, key))
-    try:
-        with tempfile.TemporaryDirectory(prefix="kvsidecar-tls-") as tmp:
-            # ssl only loads certificates from files: spill inline PEM into a private dir.
-            cert_file, key_file = tls.cert_file, tls.key_file
-            if tls.cert:
-                cert_file = os.path.join(tmp, "cert.pem")
-                Path(cert_file).write_text(tls.cert)
-            if tls.key:
-                key_file = os.path.join(tmp, "key.pem")
-                fd = os.open(key_file, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
-                with os.fdopen(fd, "w") as f:
-                    f.write(tls.key)
-            ctx.load_cert_chain(cert_file, key_file)  # type: ignore[arg-type]
-    except ssl.SSLError as e:
-        raise WebConfigError(
-            f"tls_server_config: cannot load certificate and key "
-            f"({e.reason or e}); check both are PEM and the key matches "
-            "the certificate"
-        ) from None
-    mode = CLIENT_AUTH_TYPES[tls.client_auth_type]
-    assert mode is not None  # refused by the parser
-    if tls.client_ca_file or tls.client_ca:
-        try:
-            ctx.load_verify_locations(cafile=tls.client_ca_file, cadata=tls.client_ca)
-        except ssl.SSLError as e:
-            raise WebConfigError(
-                f"tls_server_config: cannot load client CA ({e.reason or e}); "
-                "it must be PEM certificates"
-            ) from None
-    ctx.verify_mode = mode
-    return ctx
-
-
-def peer_san_allowed(peercert: Mapping[str, Any] | None, allowed: Sequence[str]) -> bool:
-    """True if the verified peer certificate has a SAN exactly in ``allowed`` (IPs normalized)."""
-    if not peercert:
-        return False
-    allowed_set = set(allowed)
-    allowed_ips = set()
-    for a in allowed:
-        try:
-            allowed_ips.add(ipaddress.ip_address(a))
-        except ValueError:
-            pass
-    for kind, value in peercert.get("subjectAltName", ()):
-        value = value.strip()
-        if kind == "IP Address":
-            try:
-                if ipaddress.ip_address(value) in allowed_ips:
-                    return True
-            except ValueError:
-                continue
-        elif value in allowed_set:
-            return True
-    return False
