@@ -34,3 +34,42 @@ def test_reliability_table_names_real_tests() -> None:
         assert os.path.exists(os.path.join(REPO, path)), path
     missing = sorted(n for n in names if f"def {n}(" not in source)
     assert not missing, missing
+
+
+def _layout_table() -> str:
+    with open(os.path.join(REPO, "README.md")) as f:
+        readme = f.read()
+    start = readme.index("## Layout")
+    return readme[
+        start : readme.index("\n## ", start + 1) if "\n## " in readme[start + 1 :] else None
+    ]
+
+
+def test_readme_layout_table_matches_the_tree() -> None:
+    """Every package and top-level module of kvsidecar/ is in the table, and every path
+    the table's first column names exists: a move that forgets the README fails here."""
+    table = _layout_table()
+    first_column = [row.split("|")[1] for row in table.splitlines() if row.startswith("| `")]
+
+    def paths_in(cell: str) -> list[str]:  # `kvsidecar.agent` is a module name, not a path
+        return [p for p in re.findall(r"`([^`]+)`", cell) if "/" in p or p.endswith(".py")]
+
+    named = [p for cell in first_column for p in paths_in(cell)]
+    for cell in first_column:
+        # "`kvsidecar/discovery.py`, `logsetup.py`": bare names live beside the first path.
+        paths = paths_in(cell)
+        base = os.path.dirname(paths[0].rstrip("/"))
+        for p in paths:
+            full = p if "/" in p else os.path.join(base, p)
+            assert os.path.exists(os.path.join(REPO, full)), f"README layout names {p}: missing"
+    package = os.path.join(REPO, "kvsidecar")
+    for entry in sorted(os.listdir(package)):
+        if entry.startswith(("_", ".")) or entry.endswith(".so"):
+            continue
+        is_pkg = os.path.isdir(os.path.join(package, entry))
+        if is_pkg and not os.path.exists(os.path.join(package, entry, "__init__.py")):
+            continue
+        want = f"kvsidecar/{entry}/" if is_pkg else entry
+        assert any(n == want or n.endswith("/" + entry) for n in named), (
+            f"kvsidecar/{entry} is not in the README's layout table"
+        )
