@@ -24,21 +24,21 @@ while True:
 """
 
 
-def start_writer(name: str, shm_dir: str, period: float = 0.005) -> tuple[subprocess.Popen, int]:
-    """Start a publishing writer process; returns it and its incarnation once it published."""
+def _start_announcing(args: list[str], what: str) -> tuple[subprocess.Popen, int]:
+    """Start `python args...`; once it prints "ready <incarnation>", return it and that."""
     from tests.conftest import REPO
 
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER_SCRIPT, name, shm_dir, str(period)],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
+    proc = subprocess.Popen([sys.executable, *args], stdout=subprocess.PIPE, text=True, cwd=REPO)
     line = proc.stdout.readline() if proc.stdout else ""
     if not line.startswith("ready"):
         proc.kill()
-        raise RuntimeError(f"writer did not start: {line!r}")
+        raise RuntimeError(f"{what} did not start: {line!r}")
     return proc, int(line.split()[1])
+
+
+def start_writer(name: str, shm_dir: str, period: float = 0.005) -> tuple[subprocess.Popen, int]:
+    """Start a publishing writer process; returns it and its incarnation once it published."""
+    return _start_announcing(["-c", WRITER_SCRIPT, name, shm_dir, str(period)], "writer")
 
 
 def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
@@ -54,28 +54,8 @@ def start_rank(
     name: str, shm_dir: str, dp: int = 0, pools: int = 2, period: float = 0.01
 ) -> tuple[subprocess.Popen, int]:
     """Start tests.rank_writer for one rank; returns it and its incarnation."""
-    from tests.conftest import REPO
-
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "tests.rank_writer",
-            name,
-            shm_dir,
-            str(dp),
-            str(pools),
-            str(period),
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
-        cwd=REPO,
-    )
-    line = proc.stdout.readline() if proc.stdout else ""
-    if not line.startswith("ready"):
-        proc.kill()
-        raise RuntimeError(f"rank writer did not start: {line!r}")
-    return proc, int(line.split()[1])
+    args = ["-m", "tests.rank_writer", name, shm_dir, str(dp), str(pools), str(period)]
+    return _start_announcing(args, "rank writer")
 
 
 def start_daemon(shm_dir: str, *extra: str, **popen) -> tuple[subprocess.Popen, str]:

@@ -13,7 +13,7 @@ import sys
 import bcrypt
 import pytest
 
-from kvsidecar.bench.fleet import free_port
+from kvsidecar.bench.fleet import free_port, start_daemon
 from tests.certs import make_cert
 from tests.conftest import REPO
 from tests.procs import start_rank, wait_for
@@ -42,32 +42,19 @@ def test_tls_and_basic_auth_through_serve(shm_dir: str, tmp_path) -> None:
         f"basic_auth_users:\n  prometheus: '{hashed}'\n"
     )
     writer, _ = start_rank("kvsidecar.fake.dp0.tp0.pp0", shm_dir)
-    port = free_port()
-    daemon = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "kvsidecar",
-            "serve",
-            "--shm-dir",
-            shm_dir,
-            "--web.listen-address",
-            f"127.0.0.1:{port}",
-            "--web.config.file",
-            str(tmp_path / "web.yml"),
-        ],
+    ctx = ssl.create_default_context(cafile=str(tmp_path / "tls.crt"))
+    # Up once /-/healthy answers over TLS with that CA.
+    daemon, url = start_daemon(
+        shm_dir,
+        "--web.config.file",
+        str(tmp_path / "web.yml"),
+        wait_for_source=False,
+        timeout=20,
+        context=ctx,
         cwd=REPO,
     )
-    ctx = ssl.create_default_context(cafile=str(tmp_path / "tls.crt"))
+    port = int(url.rsplit(":", 1)[1])
     try:
-
-        def healthy() -> bool:
-            try:
-                return _get(port, "/-/healthy", ctx) == 200
-            except OSError:
-                return False
-
-        assert wait_for(healthy, timeout=20)
         assert _get(port, "/-/ready", ctx) == 200  # health endpoints need no credentials
         assert _get(port, "/metrics", ctx) == 401
         assert _get(port, "/metrics", ctx, ("prometheus", "wrong")) == 401
