@@ -7,9 +7,13 @@ is imported only under agent/. A move that breaks one of these fails here, by na
 from __future__ import annotations
 
 import ast
+import importlib.metadata
+import re
 import subprocess
 import sys
 from pathlib import Path
+
+import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +63,24 @@ def test_importing_the_web_server_loads_no_exporter_code() -> None:
         [sys.executable, "-c", probe], capture_output=True, text=True, check=True, timeout=60
     )
     assert out.stdout.strip() == "[]"
+
+
+def _normalized(dist: str) -> str:
+    return re.sub(r"[-_.]+", "-", dist).lower()
+
+
+def test_every_declared_runtime_dependency_is_imported() -> None:
+    """A dependency must earn its place (posix_ipc was declared and never imported)."""
+    tomllib = pytest.importorskip("tomllib")
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    declared = list(project["dependencies"])
+    for extra in ("agent", "vllm"):
+        declared += project["optional-dependencies"][extra]
+    names = {_normalized(re.split(r"[<>=!~;\[ ]", d, maxsplit=1)[0]) for d in declared}
+    imported = set()
+    for package in ("kvsidecar", "agent"):
+        for path in (ROOT / package).rglob("*.py"):
+            imported |= {name.split(".")[0] for name in _imports(path)}
+    providers = importlib.metadata.packages_distributions()
+    provided = {_normalized(d) for top in imported for d in providers.get(top, [top])}
+    assert sorted(names - provided) == []
