@@ -8,8 +8,11 @@ so CI can never pass by skipping them.
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -49,3 +52,20 @@ def run_in_engine_env(
         timeout=timeout,
         check=False,
     )
+
+
+def run_json_helper(name: str, helper: str, args: list[str], *, timeout: float) -> dict:
+    """Run `helper <scratch shm dir> args...` in engine `name`'s environment and return the
+    JSON object on its last stdout line, plus ``rc`` and ``stdout``. The scratch directory
+    (in /dev/shm where there is one, as engines use) is removed afterwards."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    shm_dir = tempfile.mkdtemp(prefix=f"kvsidecar-{name}-", dir=base)
+    try:
+        proc = run_in_engine_env(name, [helper, shm_dir, *args], timeout=timeout)
+    finally:
+        shutil.rmtree(shm_dir, ignore_errors=True)
+    lines = proc.stdout.strip().splitlines()
+    assert lines, proc.stderr[-3000:]
+    out = json.loads(lines[-1])
+    out["rc"], out["stdout"] = proc.returncode, proc.stdout
+    return out

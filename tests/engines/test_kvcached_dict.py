@@ -12,6 +12,7 @@ from kvsidecar.agent.engines.kvcached import (
 )
 from kvsidecar.agent.pool import KVBlockPool
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
+from tests.engines.kvcached_helpers.fields import EQUAL
 
 MIB = 1 << 20
 
@@ -66,31 +67,7 @@ def test_kvcached_dict_maps_every_shared_field():
     adapter = KvcachedDictAdapter(lambda: d)
     assert isinstance(adapter, PoolSource)
     s = adapter.snapshot()
-    for name in (
-        "pool_name",
-        "pool_type",
-        "group_id",
-        "num_layers",
-        "num_kv_buffers",
-        "block_size_bytes",
-        "page_size_bytes",
-        "available_blocks",
-        "reserved_blocks",
-        "available_bytes",
-        "reserved_bytes",
-        "virtual_per_layer_bytes",
-        "virtual_total_bytes",
-        "mapped_bytes",
-        "total_pages",
-        "free_pages",
-        "inuse_pages",
-        "reserved_pages",
-        "available_physical_pages",
-        "effective_free_pages",
-        "in_shrink",
-        "integration",
-        "null_block_reserved",
-    ):
+    for name in EQUAL:
         assert getattr(s, name) == d[name], name
     assert s.resize_target_bytes is None  # -1 means no target
     assert s.shrink_target_blocks is None

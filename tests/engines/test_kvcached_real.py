@@ -8,15 +8,11 @@ Built by ``bash .ci/engine-env kvcached``.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.engines.envs import run_in_engine_env
+from tests.engines.envs import run_json_helper
 
 HELPER = str(Path(__file__).parent / "kvcached_helpers" / "check_real.py")
 
@@ -24,18 +20,9 @@ HELPER = str(Path(__file__).parent / "kvcached_helpers" / "check_real.py")
 @pytest.fixture(scope="module")
 def checked() -> dict:
     # One interpreter for every test here: importing torch (for kvcached) is most of it.
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    shm_dir = tempfile.mkdtemp(prefix="kvsidecar-kvcached-", dir=base)
-    try:
-        args = [HELPER, shm_dir, "--cases", "500", "--broken-cases", "20", "--own-tests"]
-        proc = run_in_engine_env("kvcached", args, timeout=240)
-    finally:
-        shutil.rmtree(shm_dir, ignore_errors=True)
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1])
-    out["rc"], out["stdout"] = proc.returncode, proc.stdout
-    return out
+    return run_json_helper(
+        "kvcached", HELPER, ["--cases", "500", "--broken-cases", "20", "--own-tests"], timeout=240
+    )
 
 
 def test_every_kvcached_field_equal_or_explained(checked):

@@ -8,15 +8,11 @@ token_usage formula. Built by ``bash .ci/engine-env sglang``.
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.engines.envs import run_in_engine_env
+from tests.engines.envs import run_json_helper
 
 HELPER = str(Path(__file__).parent / "sglang_helpers" / "oracle.py")
 
@@ -24,18 +20,7 @@ HELPER = str(Path(__file__).parent / "sglang_helpers" / "oracle.py")
 @pytest.fixture(scope="module")
 def oracle() -> dict:
     # One interpreter for both tests: importing SGLang is most of the cost (~15 s).
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    shm_dir = tempfile.mkdtemp(prefix="kvsidecar-sglang-", dir=base)
-    try:
-        args = [HELPER, shm_dir, "--ops", "1200", "--broken-ops", "100"]
-        proc = run_in_engine_env("sglang", args, timeout=300)
-    finally:
-        shutil.rmtree(shm_dir, ignore_errors=True)
-    lines = proc.stdout.strip().splitlines()
-    assert lines, proc.stderr[-3000:]
-    out = json.loads(lines[-1])
-    out["rc"] = proc.returncode
-    return out
+    return run_json_helper("sglang", HELPER, ["--ops", "1200", "--broken-ops", "100"], timeout=300)
 
 
 def test_published_values_equal_sglang_counters_after_every_operation(oracle):
