@@ -166,9 +166,13 @@ def sidecar_scheduler_class(base: type) -> type:
             except Exception as e:
                 _log_once("attach", "kvsidecar disabled (engine unaffected): %s", e)
 
-        def update_from_output(self, *args: Any, **kwargs: Any) -> Any:
-            out = super().update_from_output(*args, **kwargs)
+        def update_from_output(
+            self, scheduler_output: Any, model_runner_output: Any, *args: Any, **kwargs: Any
+        ) -> Any:
             s = self._kvsidecar
+            if s is not None and s.tracks_expiry:
+                s.note_connector_output(model_runner_output)
+            out = super().update_from_output(scheduler_output, model_runner_output, *args, **kwargs)
             if s is not None:
                 s.publish(self)
             return out
@@ -267,11 +271,17 @@ def identity(vllm_config: Any) -> dict[str, Any]:
 class VllmSidecar:
     """The agent and pool sources of one vLLM scheduler (one engine core, one DP rank)."""
 
-    def __init__(self, agent: Any, sources: list[VllmPoolSource]) -> None:
+    def __init__(
+        self, agent: Any, sources: list[VllmPoolSource], tracks_expiry: bool = False
+    ) -> None:
         self.agent = agent
         self.sources = sources
-        # request id -> per-source list of block ids it held when it began deferring
-        self._deferred: dict[str, list[list[int] | None]] = {}
+        # request id -> (deferral start ns, per-source block ids it held when it began)
+        self._deferred: dict[str, tuple[int, list[list[int] | None]]] = {}
+        # The connector reports lease expiries (NixlConnector's num_kv_expired_reqs): tell
+        # this step's expiry releases from completed transfers.
+        self.tracks_expiry = tracks_expiry
+        self._expired_now: set[str] = set()
 
     @classmethod
     def attach(cls, scheduler: Any) -> VllmSidecar | None:
@@ -310,7 +320,10 @@ class VllmSidecar:
         except Exception:
             agent.close()  # no half-set-up segment left behind
             raise
-        sidecar = cls(agent, sources)
+        tracks_expiry = reports_expiry(getattr(scheduler, "connector", None))
+        for src in sources:
+            src.start_deferral_counters(tracks_expiry)
+        sidecar = cls(agent, sources, tracks_expiry)
         sidecar.publish(scheduler, engine_step=False)  # visible before the first step
         log.info(
             "kvsidecar: publishing vLLM %s engine core (dp_rank %d) to %s",
@@ -332,18 +345,45 @@ class VllmSidecar:
             held: list[list[int] | None] = []
             for src in self.sources:
                 held.append(src.defer(rid, now))
-            self._deferred[rid] = held
+            self._deferred[rid] = (now, held)
         except Exception as e:
             _log_once("defer", "kvsidecar deferral tracking failed (engine unaffected): %s", e)
 
+    def note_connector_output(self, model_runner_output: Any) -> None:
+        """Before vLLM frees this step's ``finished_sending``: which of them the worker
+        released at lease expiry. The worker reports only a count per step
+        (``kv_connector_stats.data["num_kv_expired_reqs"]``, one entry per expiry) beside
+        the ids; when a step mixes both kinds, the oldest deferrals are taken as the
+        expired ones (the counts stay exact; only the blocks split is attributed)."""
+        self._expired_now.clear()
+        try:
+            out = getattr(model_runner_output, "kv_connector_output", None)
+            sending = getattr(out, "finished_sending", None) if out is not None else None
+            if not sending:
+                return
+            data = getattr(getattr(out, "kv_connector_stats", None), "data", None)
+            n = len(data.get("num_kv_expired_reqs") or ()) if isinstance(data, dict) else 0
+            if n <= 0:
+                return
+            deferred = self._deferred
+            ours = [rid for rid in sending if rid in deferred]
+            if n < len(ours):
+                ours.sort(key=lambda rid: deferred[rid][0])
+                del ours[n:]
+            self._expired_now.update(ours)
+        except Exception as e:
+            _log_once("expiry", "kvsidecar expiry tracking failed (engine unaffected): %s", e)
+
     def before_free_blocks(self, request: Any) -> None:
         try:
-            held = self._deferred.pop(request.request_id, None)
-            if held is None:
+            rid = request.request_id
+            entry = self._deferred.pop(rid, None)
+            if entry is None:
                 return
-            for src, ids in zip(self.sources, held):
+            expired = rid in self._expired_now
+            for src, ids in zip(self.sources, entry[1]):
                 if ids is not None:
-                    src.release(request.request_id, ids)
+                    src.release(rid, ids, expired)
         except Exception as e:
             _log_once("release", "kvsidecar deferral tracking failed (engine unaffected): %s", e)
 
@@ -363,6 +403,18 @@ class VllmSidecar:
             self.agent.close()
         except Exception as e:
             _log_once("close", "kvsidecar close failed: %s", e)
+
+
+def reports_expiry(connector: Any) -> bool:
+    """Whether the connector's transfer stats count lease expiries (NixlConnector's
+    ``num_kv_expired_reqs``), read from the stats class the connector itself builds."""
+    try:
+        build = getattr(type(connector), "build_kv_connector_stats", None)
+        stats = build() if connector is not None and build is not None else None
+        data = getattr(stats, "data", None)
+        return isinstance(data, dict) and "num_kv_expired_reqs" in data
+    except Exception:
+        return False
 
 
 # ------------------------------------------------------------------ pools
@@ -530,7 +582,28 @@ class VllmPoolSource:
         self._since[request_id] = now_ns
         return ids
 
-    def release(self, request_id: str, ids: list[int]) -> None:
+    def start_deferral_counters(self, tracks_expiry: bool) -> None:
+        """Deferral-end counters from 0; the expiry ones only where the connector says."""
+        s = self.stats
+        s.deferred_free_ended_total = s.deferred_free_ended_blocks_total = 0
+        s.deferred_free_ended_ns_total = 0
+        if tracks_expiry:
+            s.deferred_free_expired_total = s.deferred_free_expired_blocks_total = 0
+            s.deferred_free_expired_ns_total = 0
+
+    def release(self, request_id: str, ids: list[int], expired: bool = False) -> None:
+        s = self.stats
+        since = self._since.get(request_id)
+        if s.deferred_free_ended_total is not None:
+            # One clock read per release (not per step): how long this hold lasted.
+            held = time.monotonic_ns() - since if since is not None else 0
+            s.deferred_free_ended_total += 1
+            s.deferred_free_ended_blocks_total += len(ids)
+            s.deferred_free_ended_ns_total += held
+            if expired and s.deferred_free_expired_total is not None:
+                s.deferred_free_expired_total += 1
+                s.deferred_free_expired_blocks_total += len(ids)
+                s.deferred_free_expired_ns_total += held
         holders = self._holders
         removed = 0
         for b in ids:

@@ -438,6 +438,61 @@ POOL: tuple[MetricDef, ...] = (
         anchor="sglang RadixCache.protected_size() / page_size",
         overlaps="subset of allocated_blocks",
     ),
+    MetricDef(
+        "kvsidecar_kv_pool_deferred_free_ended_total",
+        COUNTER,
+        "requests",
+        "Deferrals of this pool that ended: the connector released the request's blocks "
+        "(completed transfer or lease expiry). Absent if unsupported.",
+        "deferred_free_ended_total",
+        anchor="vllm: requests in KVConnectorOutput.finished_sending",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_deferred_free_ended_blocks_total",
+        COUNTER,
+        _B,
+        "Blocks the ended deferrals held when they ended, summed (/ ended_total: blocks "
+        "per released request).",
+        "deferred_free_ended_blocks_total",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_deferred_free_ended_seconds_total",
+        COUNTER,
+        "seconds",
+        "How long the ended deferrals held their KV, summed (/ ended_total: the mean hold).",
+        "deferred_free_ended_ns_total",
+        scale=1e-9,
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_deferred_free_expired_total",
+        COUNTER,
+        "requests",
+        "Of the ended deferrals, those the connector released at lease expiry, the peer "
+        "never having completed its transfer (vLLM NixlConnector; absent for connectors "
+        "whose transfer stats report no expiry).",
+        "deferred_free_expired_total",
+        anchor="vllm:nixl_num_kv_expired_reqs_total",
+        overlaps="subset of deferred_free_ended_total",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_deferred_free_expired_blocks_total",
+        COUNTER,
+        _B,
+        "Blocks the expired deferrals held when their lease ran out, summed.",
+        "deferred_free_expired_blocks_total",
+        overlaps="subset of deferred_free_ended_blocks_total",
+    ),
+    MetricDef(
+        "kvsidecar_kv_pool_deferred_free_expired_seconds_total",
+        COUNTER,
+        "seconds",
+        "How long the expired deferrals held their KV, summed (about the lease each). "
+        "(ended - expired) / (ended_total - expired_total): the mean hold of completed "
+        "transfers.",
+        "deferred_free_expired_ns_total",
+        scale=1e-9,
+        overlaps="subset of deferred_free_ended_seconds_total",
+    ),
 )
 
 POOL_DERIVED: tuple[MetricDef, ...] = (

@@ -32,8 +32,8 @@ import msgspec
 SCHEMA_MAJOR = 1
 # 1.1: token-unit prefix counters, oldest deferral, kvcached pages; 1.2: virtual_blocks,
 # protected_blocks (virtual_* = the reservation, as in kvcached); 1.3: runtime instance and
-# distinct deferred requests
-SCHEMA_MINOR = 3
+# distinct deferred requests; 1.4: deferrals ended / ended by lease expiry, and their blocks
+SCHEMA_MINOR = 4
 SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 ROLES = ("prefill", "decode", "both")
@@ -148,6 +148,18 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=Fals
     # Allocated blocks that are also prefix-cache entries pinned by running requests
     # (SGLang protected_size(): locked radix nodes); a subset of allocated_blocks.
     protected_blocks: int | None = None
+    # -- v1.4 ------------------------------------------------------------------
+    # Deferrals of this pool that ended (the connector released the blocks), the blocks each
+    # held then and how long it held them (CLOCK_MONOTONIC ns), summed; the *_expired_* ones
+    # count those the connector reported as released by lease expiry rather than by a
+    # completed transfer (vLLM NixlConnector: vllm:nixl_num_kv_expired_reqs). None where the
+    # writer cannot tell.
+    deferred_free_ended_total: int | None = None
+    deferred_free_ended_blocks_total: int | None = None
+    deferred_free_ended_ns_total: int | None = None
+    deferred_free_expired_total: int | None = None
+    deferred_free_expired_blocks_total: int | None = None
+    deferred_free_expired_ns_total: int | None = None
 
 
 class Snapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):

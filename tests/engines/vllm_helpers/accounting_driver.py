@@ -34,6 +34,7 @@ def recount(sched) -> dict:
     deferred = [r for r in sched.requests.values() if r.is_finished()]
     held: set[int] = set()
     holding = 0
+    blocks_of: dict[str, int] = {}
     for r in deferred:
         ids = {
             b.block_id
@@ -44,6 +45,7 @@ def recount(sched) -> dict:
         if ids:
             holding += 1
             held |= ids
+            blocks_of[r.request_id] = len(ids)
     running, waiting = sched.get_request_counts()
     return {
         "total_blocks": len(blocks),
@@ -56,6 +58,7 @@ def recount(sched) -> dict:
         "runtime.requests_running": running,
         "runtime.requests_waiting": waiting,
         "_deferred_ids": [r.request_id for r in deferred],
+        "_blocks_of": blocks_of,
     }
 
 
@@ -122,6 +125,10 @@ def main() -> int:
     unit = block_bytes * cfg["num_hidden_layers"] * 2
     mismatches: list[str] = []
     deferred_window: dict[str, tuple[int, int]] = {}  # id -> (before, after) of its deferral
+    # Deferrals that ended (a request holding blocks left the deferred set) and their blocks.
+    holding_blocks: dict[str, int] = {}
+    ended = {"deferred_free_ended_total": 0, "deferred_free_ended_blocks_total": 0}
+    held_ns = [0, 0]  # bounds of their summed hold times
     checks = steps = 0
     last_step = -1
     seen = {
@@ -145,9 +152,25 @@ def main() -> int:
         want = recount(sched)
         for rid in want["_deferred_ids"]:
             deferred_window.setdefault(rid, (t0, t1))
+        for rid in list(holding_blocks):
+            if rid not in want["_blocks_of"]:
+                ended["deferred_free_ended_total"] += 1
+                ended["deferred_free_ended_blocks_total"] += holding_blocks.pop(rid)
+                # Its hold began inside the window it was first seen in, ended inside this one.
+                began = deferred_window[rid]
+                held_ns[0] += t0 - began[1]
+                held_ns[1] += t1 - began[0]
         for rid in list(deferred_window):
             if rid not in want["_deferred_ids"]:
                 del deferred_window[rid]
+        holding_blocks.update(want["_blocks_of"])
+        want.update(ended)
+        # The hold connector reports no lease expiry: the expiry fields are unsupported.
+        for k in ("total", "blocks_total", "ns_total"):
+            want[f"deferred_free_expired_{k}"] = None
+        ns = p.deferred_free_ended_ns_total
+        if ns is None or not held_ns[0] <= ns <= held_ns[1]:
+            mismatches.append(f"{where}: ended_ns_total {ns} outside {held_ns}")
         got = {k: getattr(p, k) for k in want if not k.startswith(("_", "runtime."))}
         got.update({k: getattr(rt, k.split(".", 1)[1]) for k in want if k.startswith("runtime.")})
         got.update({k: getattr(p, k) for k in static})
