@@ -112,6 +112,15 @@ def module_help(module: str) -> str:
     return r.stdout
 
 
+@functools.cache
+def script_help(script: str) -> str:
+    r = subprocess.run(
+        ["bash", script, "--help"], capture_output=True, text=True, timeout=60, cwd=REPO
+    )
+    assert r.returncode == 0, f"bash {script} --help: {r.stderr[-2000:]}"
+    return r.stdout
+
+
 def check_cli(args: list[str]) -> None:
     """Parse (not run) ``kvsidecar args`` with the real click commands."""
     cmd: click.Command = main
@@ -160,6 +169,17 @@ def check(argv: list[str]) -> None:
         text = module_help(module)
         missing = [f for f in flags if f not in text]
         assert not missing, f"python -m {module}: {missing} not in its --help"
+    elif prog == "bash" and len(argv) > 1 and not argv[1].startswith("-"):
+        # Our scripts, run from the clone's root: the script exists; a .sh script's flags
+        # are in its --help (it runs, so its option parser is checked too).
+        script = Path(REPO) / argv[1]
+        assert script.is_file(), f"{argv[1]}: no such script in the repository"
+        if script.suffix == ".sh":
+            flags = [a for a in argv[2:] if a.startswith("--")]
+            missing = [f for f in flags if f not in script_help(argv[1])]
+            assert not missing, f"bash {argv[1]}: {missing} not in its --help"
+        elif argv[1] == ".ci/engine-env":
+            assert (Path(REPO) / ".ci" / "locks" / f"{argv[2]}.txt").is_file(), argv
     elif prog == "make":
         targets = [a for a in argv[1:] if "=" not in a and not a.startswith("-")]
         unknown = set(targets) - makefile_targets()

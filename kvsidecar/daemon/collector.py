@@ -118,7 +118,7 @@ class SnapshotCollector:
                 for m, fam in families:
                     value = getattr(p, m.field)
                     if value is not None:
-                        fam.add_metric(labels, float(value))
+                        fam.add_metric(labels, float(value) * m.scale)
                 _derived(p, labels, usage, tokens, fill)
                 _deferred_age(p, labels, age, now)
         for _, fam in families:

