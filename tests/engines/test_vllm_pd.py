@@ -305,6 +305,11 @@ def expiry_scenario(pair, proxy, tmp_path, start_hold, what: str) -> dict:
     firing = pd.promtool_alert_times(promtool, tmp_path, series, grid, step_s, thr, for_s)
     fired = [i for i, f in firing.items() if f]
     age_at_alert = grid[fired[0]] if fired else None
+    # The whole host sometimes stalls for seconds (8.7 s seen, every process at once, this
+    # one too): then the recording has a hole, as a real Prometheus's would. The alert is
+    # judged when a sample saw the age past the threshold early enough for `for` to run out
+    # before the release, as it then must fire.
+    judged = any(thr < a <= mean_hold - for_s - 1 for _, a in ages)
     r = {
         "hold_s": round(hold_s, 2),
         "mean_expired_hold_s": round(mean_hold, 3),
@@ -313,6 +318,7 @@ def expiry_scenario(pair, proxy, tmp_path, start_hold, what: str) -> dict:
         "max_age_s": round(max_age, 2),
         "age_at_alert_s": age_at_alert,
         "alert_firing_points": len(fired),
+        "alert_judged": judged,
         "expired_vllm": exp,
         "expired_kvsidecar": k_exp,
         "expired_blocks_kvsidecar": k_exp_blocks,
@@ -334,9 +340,11 @@ def expiry_scenario(pair, proxy, tmp_path, start_hold, what: str) -> dict:
         f"expired: vLLM {exp}, kvsidecar {k_exp}, vLLM warnings {warned}, requests {len(ids)}"
     )
     assert k_ended == len(ids) and k_exp_blocks == n_blocks, (k_ended, k_exp_blocks, n_blocks)
-    assert fired, f"{pd.ALERT} never fired on {grid} (threshold {thr} s, for {for_s} s)"
-    assert age_at_alert >= thr, f"fired at age {age_at_alert} < threshold {thr}"
+    if r["alert_judged"]:
+        assert fired, f"{pd.ALERT} never fired on {grid} (threshold {thr} s, for {for_s} s)"
+        assert age_at_alert >= thr, f"fired at age {age_at_alert} < threshold {thr}"
     assert not firing[len(grid) - 1], "still firing after every hold was released"
+    assert not any(firing[i] for i in range(3)), f"fired before the age reached {thr} s: {grid}"
     assert pair.healthy("prefill"), "prefill unhealthy after the lease expired"
     # A ratio measured in this test (both sides under the same load): publishing every
     # empty step costs well under 5 % of what prefill itself burns meanwhile.
@@ -357,7 +365,13 @@ def test_never_pulled_kv_is_held_to_the_lease_counted_as_expired_and_alerts(pair
             len({b for g in p["remote_block_ids"] for b in g}) for p in ps
         )
 
-    expiry_scenario(pair, proxy, tmp_path, start_hold, "decode never called")
+    # Repeated (another lease) only if a host stall left the alert's recording with a hole.
+    runs = [expiry_scenario(pair, proxy, tmp_path, start_hold, "decode never called")]
+    if not runs[0]["alert_judged"]:
+        runs.append(
+            expiry_scenario(pair, proxy, tmp_path, start_hold, "decode never called, again")
+        )
+    assert runs[-1]["alert_judged"], f"the host stalled in both recordings: {runs}"
     status, out = via_proxy(pair, 30)  # the pair still serves afterwards
     assert status == 200, out
 
