@@ -20,7 +20,6 @@ import time
 import pytest
 
 from kvsidecar.bench import vllm as vb
-from tests.deploy.support import require_tool
 from tests.engines.envs import engine_python
 from tests.engines.vllm_helpers import pd
 from tests.procs import wait_for
@@ -245,7 +244,7 @@ def test_held_kv_equals_what_prefill_holds_and_lasts_the_proxy_delay(pair, proxy
 def expiry_scenario(pair, proxy, tmp_path, start_hold, what: str) -> dict:
     """Run start_hold() (requests decode will never pull), record prefill's oldest age until
     the lease frees them, and evaluate the alert on the recorded series with promtool."""
-    promtool = require_tool("promtool", "Debian/Ubuntu: apt-get install prometheus")
+    promtool = pd.promtool()
     assert_all_free(pair, f"before {what}")  # an earlier completion's release may trail it
     s0 = prefill_state(pair)
     exp0 = pair.vllm_value("prefill", EXPIRED)

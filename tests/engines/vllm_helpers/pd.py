@@ -16,15 +16,28 @@ import time
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kvsidecar.bench import vllm as vb
+from tests.deploy.support import find_tool
 from tests.engines.envs import ROOT
 
 RUN_SH = ROOT / "deploy" / "vllm-pd" / "run.sh"
 RULES = ROOT / "deploy" / "prometheus" / "kvsidecar-rules.yml"
 ALERT = "KvsidecarKVTransferNotCompleting"
 VLLM = {"model_name": "tiny", "engine": "0"}
+
+
+def promtool() -> str:
+    """promtool, or skip with the fix (fail under KVSIDECAR_REQUIRE_ENGINES: CI has it)."""
+    path = find_tool("promtool")
+    if path is not None:
+        return path
+    reason = "promtool is not installed (Debian/Ubuntu: apt-get install prometheus)"
+    if os.environ.get("KVSIDECAR_REQUIRE_ENGINES", "") not in ("", "0"):
+        pytest.fail(f"{reason}; KVSIDECAR_REQUIRE_ENGINES is set: CI must not skip this")
+    pytest.skip(reason)
 
 
 def load_proxy() -> Any:
