@@ -290,9 +290,9 @@ class Run:
             self.seen["chunked"] += partial
             sampled.append([] if partial else [self.rng.randrange(3, 1000)])
         self.known_finished |= set(out.finished_req_ids)
-        held = [
+        held = [  # sorted: a set's order varies with the hash seed, the run must not
             rid
-            for rid in self.known_finished
+            for rid in sorted(self.known_finished)
             if rid in sched.requests and sched.requests[rid].is_finished()
         ]
         self.known_finished &= set(held) | set(out.finished_req_ids)
@@ -380,6 +380,7 @@ class Run:
             "vllm": final.snapshot.runtime.engine_version,
             "scheduler_class": type(sched).__name__,
             "kv_cache_groups": len(self.kv_config.kv_cache_groups),
+            "fencing": bool(getattr(sched, "defer_block_free", False)),  # vLLM fences frees
             "pool_records": len(pools),
             "distinct_pools": len(_pools(sched)),
             "steps": self.steps,
