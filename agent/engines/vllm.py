@@ -19,9 +19,10 @@ deferral, ``_free_blocks`` its release). Each wrapper costs O(blocks it touches)
 vLLM method it wraps; nothing scans the pool per step.
 
 The hooks touch private vLLM methods (vLLM says the scheduler interface is not public).
-`TESTED_VERSIONS` were checked end to end; on another version the plugin still tries,
-and if a hook point is missing it disables itself with one log line naming the version
-and the attribute. No exception from this module ever reaches the engine.
+`TESTED_VERSIONS` were checked (docs/vllm.md, "Supported versions"); on another version the
+plugin still tries, and if a hook point is missing or its signature differs from
+`HOOK_SIGNATURES` it disables itself with one log line naming the version and the hook point.
+No exception from this module ever reaches the engine.
 """
 
 from __future__ import annotations
@@ -171,11 +172,25 @@ def _params(fn: Any) -> tuple[str, ...] | None:
     return names[1:] if names[:1] == ("self",) else names
 
 
+def _defined_params(cls: type, name: str) -> tuple[str, ...] | None:
+    # A subclass's (*args, **kwargs) override (a custom --scheduler-cls) passes through:
+    # the method it forwards to is the one whose signature counts.
+    fn = getattr(cls, name, None)
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            fn = vars(klass)[name]
+            params = inspect.signature(fn).parameters if callable(fn) else {}
+            kinds = {p.kind for n, p in params.items() if n != "self"}
+            if kinds != {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+                break
+    return _params(fn)
+
+
 def signature_mismatch(cls: type, table: str) -> str | None:
     """The first wrapped method of `cls` whose parameters differ from the tested ones, as
     ``Owner.method(found) instead of (expected)``; None when all match."""
     for name, want in HOOK_SIGNATURES[table].items():
-        found = _params(getattr(cls, name, None))
+        found = _defined_params(cls, name)
         if found != want:
             got = "?" if found is None else ", ".join(found)
             return f"{table}.{name}({got}) instead of ({', '.join(want)})"

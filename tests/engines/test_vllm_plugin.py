@@ -161,3 +161,24 @@ def test_renamed_parameter_and_unreadable_signature_are_changes():
     assert (
         plugin.signature_mismatch(unreadable, "Scheduler") == "Scheduler.shutdown(?) instead of ()"
     )
+
+
+def test_pass_through_override_is_checked_at_the_method_it_forwards_to():
+    from kvsidecar.agent.engines import vllm as plugin
+
+    class Custom(_fake_scheduler()):  # a user's --scheduler-cls
+        def update_from_output(self, *args, **kwargs):
+            return super().update_from_output(*args, **kwargs)
+
+    assert plugin.signature_mismatch(Custom, "Scheduler") is None
+
+    def _free_blocks(self, request, fence_seq):
+        return None
+
+    class Forwards(_fake_scheduler(_free_blocks=_free_blocks)):
+        def _free_blocks(self, *args, **kwargs):
+            return super()._free_blocks(*args, **kwargs)
+
+    assert plugin.signature_mismatch(Forwards, "Scheduler").startswith(
+        "Scheduler._free_blocks(request, fence_seq)"
+    )
