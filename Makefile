@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: run test lint bench bench-quick fuzz soak clean venv dist
+.PHONY: run test lint bench bench-quick fuzz soak clean venv dist vllm-check
 
 $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,3 +49,11 @@ fuzz: $(STAMP)
 # The 10-minute soak (writer at 1 kHz, scrapes at 20 Hz); not part of `make test`.
 soak: $(STAMP)
 	$(BIN)/kvsidecar bench soak --seconds 600 --out bench-results
+
+# Check a vLLM release against the plugin (docs/vllm.md, "Checking a new vLLM release"):
+# build the env of .ci/locks/$(ENV).txt, then run vLLM's real scheduler under the driver.
+ENV ?= vllm033
+vllm-check: $(STAMP)
+	bash .ci/engine-env $(ENV)
+	KVSIDECAR_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q -s \
+	  "tests/engines/test_vllm_scheduler.py::test_scheduler_published_fields_equal_recount_and_sabotage_is_caught[$(ENV)]"

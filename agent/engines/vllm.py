@@ -19,13 +19,15 @@ deferral, ``_free_blocks`` its release). Each wrapper costs O(blocks it touches)
 vLLM method it wraps; nothing scans the pool per step.
 
 The hooks touch private vLLM methods (vLLM says the scheduler interface is not public).
-`TESTED_VERSIONS` were checked end to end; on another version the plugin still tries,
-and if a hook point is missing it disables itself with one log line naming the version
-and the attribute. No exception from this module ever reaches the engine.
+`TESTED_VERSIONS` were checked (docs/vllm.md, "Supported versions"); on another version the
+plugin still tries, and if a hook point is missing or its signature differs from
+`HOOK_SIGNATURES` it disables itself with one log line naming the version and the hook point.
+No exception from this module ever reaches the engine.
 """
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import time
@@ -39,7 +41,7 @@ from kvsidecar.protocol.schema import KVCachePoolSnapshot
 # Under "vllm." so vLLM's own logging configuration (handlers, format, level) shows it.
 log = logging.getLogger("vllm.kvsidecar")
 
-TESTED_VERSIONS = ("0.32.0",)
+TESTED_VERSIONS = ("0.32.0", "0.33.0")
 
 # Hook points, checked before anything is patched: (owner, attribute).
 SCHEDULER_HOOKS = ("update_from_output", "_free_request", "_free_blocks", "finish_requests")
@@ -56,6 +58,34 @@ BLOCK_POOL_HOOKS = (
     "blocks",
 )
 MANAGER_HOOKS = ("record_prefix_cache_stats", "allocate_slots", "coordinator", "block_pool")
+
+# The parameters (after self) of every wrapped method, as in TESTED_VERSIONS. A hook point
+# whose signature differs is treated like a missing one: our wrappers pass arguments through
+# by position and read them by meaning, so a changed signature would miscount silently.
+HOOK_SIGNATURES: dict[str, dict[str, tuple[str, ...]]] = {
+    "Scheduler": {
+        "update_from_output": ("scheduler_output", "model_runner_output"),
+        "_free_request": ("request", "delay_free_blocks"),
+        "_free_blocks": ("request",),
+        "finish_requests": ("request_ids", "finished_status"),
+        "reset_prefix_cache": ("reset_running_requests", "reset_connector"),
+        "shutdown": (),
+        "get_request_counts": (),
+    },
+    "BlockPool": {
+        "get_new_blocks": ("num_blocks",),
+        "free_blocks": ("ordered_blocks",),
+        "touch": ("blocks",),
+        "unpin_blocks": ("blocks", "on_reuse"),
+        "_insert_block_hash": ("block_hash_with_group_id", "block", "num_tokens"),
+        "_remove_cached_block_hashes": ("block",),
+        "reset_prefix_cache": (),
+    },
+    "KVCacheManager": {
+        "record_prefix_cache_stats": ("request", "num_hits"),
+        "prefix_cache_lookup_enabled": ("request",),
+    },
+}
 
 ROLE_BY_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
 
@@ -134,6 +164,57 @@ def _missing(obj: Any, names: Iterable[str]) -> str | None:
     return None
 
 
+def _params(fn: Any) -> tuple[str, ...] | None:
+    try:
+        names = tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return None
+    return names[1:] if names[:1] == ("self",) else names
+
+
+def _defined_params(cls: type, name: str) -> tuple[str, ...] | None:
+    # A subclass's (*args, **kwargs) override (a custom --scheduler-cls) passes through:
+    # the method it forwards to is the one whose signature counts.
+    fn = getattr(cls, name, None)
+    for klass in cls.__mro__:
+        if name in vars(klass):
+            fn = vars(klass)[name]
+            params = inspect.signature(fn).parameters if callable(fn) else {}
+            kinds = {p.kind for n, p in params.items() if n != "self"}
+            if kinds != {inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD}:
+                break
+    return _params(fn)
+
+
+def signature_mismatch(cls: type, table: str) -> str | None:
+    """The first wrapped method of `cls` whose parameters differ from the tested ones, as
+    ``Owner.method(found) instead of (expected)``; None when all match."""
+    for name, want in HOOK_SIGNATURES[table].items():
+        found = _defined_params(cls, name)
+        if found != want:
+            got = "?" if found is None else ", ".join(found)
+            return f"{table}.{name}({got}) instead of ({', '.join(want)})"
+    return None
+
+
+def _hook_problem(version: str, missing: str | None, changed: str | None) -> bool:
+    """Log the one line that disables the plugin; True when there is a problem."""
+    if missing is not None:
+        what = f"hook point {missing} is missing"
+    elif changed is not None:
+        what = f"hook point signature changed: {changed}"
+    else:
+        return False
+    _log_once(
+        "hook",
+        "kvsidecar disabled for vLLM %s: %s (tested: %s)",
+        version,
+        what,
+        ", ".join(TESTED_VERSIONS),
+    )
+    return True
+
+
 def sidecar_scheduler_class(base: type) -> type:
     """A subclass of vLLM's chosen scheduler class that publishes every step (cached)."""
     if getattr(base, "_kvsidecar_scheduler", False):
@@ -142,14 +223,8 @@ def sidecar_scheduler_class(base: type) -> type:
     if cached is not None:
         return cached
     missing = _missing(base, SCHEDULER_HOOKS)
-    if missing is not None:
-        _log_once(
-            "hook",
-            "kvsidecar disabled for vLLM %s: hook point %s is missing (tested: %s)",
-            vllm_version(),
-            missing,
-            ", ".join(TESTED_VERSIONS),
-        )
+    changed = signature_mismatch(base, "Scheduler") if missing is None else None
+    if _hook_problem(vllm_version(), missing, changed):
         return base
 
     class KVSidecarScheduler(base):  # type: ignore[valid-type, misc]
@@ -294,14 +369,11 @@ class VllmSidecar:
             missing = _missing(manager.block_pool, BLOCK_POOL_HOOKS)
         if missing is None and not hasattr(manager.coordinator, "single_type_managers"):
             missing = "KVCacheCoordinator.single_type_managers"
-        if missing is not None:
-            _log_once(
-                "hook",
-                "kvsidecar disabled for vLLM %s: hook point %s is missing (tested: %s)",
-                version,
-                missing,
-                ", ".join(TESTED_VERSIONS),
-            )
+        changed = None
+        if missing is None:
+            changed = signature_mismatch(type(manager.block_pool), "BlockPool")
+            changed = changed or signature_mismatch(type(manager), "KVCacheManager")
+        if _hook_problem(version, missing, changed):
             return None
         if version not in TESTED_VERSIONS:
             log.info("kvsidecar: vLLM %s is untested (tested: %s)", version, TESTED_VERSIONS)

@@ -59,7 +59,7 @@ def test_missing_hook_point_disables_with_one_line_and_engine_runs(tmp_path, tmp
     assert len(lines) == 1, lines
     assert lines[0].endswith(
         "kvsidecar disabled for vLLM 0.32.0: hook point BlockPool.unpin_blocks is missing "
-        "(tested: 0.32.0)"
+        "(tested: 0.32.0, 0.33.0)"
     ), lines
 
 
@@ -104,3 +104,81 @@ def test_identity_dense_dp_rank_survives_vllms_reconfiguration():
     assert (ident["dp_rank"], ident["tp_rank"], ident["tp_size"]) == (3, 0, 2)
     assert ident["dp_size"] >= 4
     assert identity(_config(served=()))["model_name"] == "/models/x"
+
+
+def _fake_scheduler(**override):
+    """A class with every Scheduler hook point at the tested signatures (plus overrides)."""
+    from kvsidecar.agent.engines import vllm as plugin
+
+    ns = {}
+    for name, params in plugin.HOOK_SIGNATURES["Scheduler"].items():
+        args = ", ".join(("self", *params))
+        exec(f"def {name}({args}): return None", ns)
+    ns.update(override)
+    return type("Scheduler", (), {k: v for k, v in ns.items() if k != "__builtins__"})
+
+
+def test_tested_signatures_pass_the_check():
+    from kvsidecar.agent.engines import vllm as plugin
+
+    assert plugin.signature_mismatch(_fake_scheduler(), "Scheduler") is None
+
+
+def test_changed_hook_signature_disables_with_one_line(caplog):
+    from kvsidecar.agent.engines import vllm as plugin
+
+    def _free_blocks(self, request, fence_seq):  # a vLLM that grew a parameter
+        return None
+
+    base = _fake_scheduler(_free_blocks=_free_blocks)
+    assert plugin.signature_mismatch(base, "Scheduler") == (
+        "Scheduler._free_blocks(request, fence_seq) instead of (request)"
+    )
+    plugin._logged.discard("hook")
+    with caplog.at_level("WARNING", logger="vllm.kvsidecar"):
+        assert plugin.sidecar_scheduler_class(base) is base  # vLLM's own class, unpatched
+        assert plugin.sidecar_scheduler_class(base) is base
+    lines = [r.getMessage() for r in caplog.records if "kvsidecar disabled" in r.getMessage()]
+    assert lines == [
+        f"kvsidecar disabled for vLLM {plugin.vllm_version()}: hook point signature changed: "
+        "Scheduler._free_blocks(request, fence_seq) instead of (request) "
+        "(tested: 0.32.0, 0.33.0)"
+    ]
+    plugin._logged.discard("hook")
+
+
+def test_renamed_parameter_and_unreadable_signature_are_changes():
+    from kvsidecar.agent.engines import vllm as plugin
+
+    def update_from_output(self, output, runner_output):
+        return None
+
+    renamed = _fake_scheduler(update_from_output=update_from_output)
+    assert plugin.signature_mismatch(renamed, "Scheduler").startswith(
+        "Scheduler.update_from_output(output, runner_output) instead of"
+    )
+    unreadable = _fake_scheduler(shutdown=None)  # not a function: no signature to compare
+    assert (
+        plugin.signature_mismatch(unreadable, "Scheduler") == "Scheduler.shutdown(?) instead of ()"
+    )
+
+
+def test_pass_through_override_is_checked_at_the_method_it_forwards_to():
+    from kvsidecar.agent.engines import vllm as plugin
+
+    class Custom(_fake_scheduler()):  # a user's --scheduler-cls
+        def update_from_output(self, *args, **kwargs):
+            return super().update_from_output(*args, **kwargs)
+
+    assert plugin.signature_mismatch(Custom, "Scheduler") is None
+
+    def _free_blocks(self, request, fence_seq):
+        return None
+
+    class Forwards(_fake_scheduler(_free_blocks=_free_blocks)):
+        def _free_blocks(self, *args, **kwargs):
+            return super()._free_blocks(*args, **kwargs)
+
+    assert plugin.signature_mismatch(Forwards, "Scheduler").startswith(
+        "Scheduler._free_blocks(request, fence_seq)"
+    )

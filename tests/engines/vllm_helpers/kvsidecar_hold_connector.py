@@ -19,6 +19,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    SupportsHMA,
 )
 
 RELEASE: set[str] = set()  # request ids the driver lets go (in-process tests)
@@ -30,6 +31,7 @@ class HoldConnector(KVConnectorBase_V1):
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = getattr(vllm_config.kv_transfer_config, "kv_connector_extra_config", None) or {}
         self.hold_s = float(extra.get("hold_s", 0) or 0)
+        self.hold = bool(extra.get("hold", True))  # False: a connector that never defers
 
     # -- scheduler side -----------------------------------------------------------------
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int):
@@ -42,7 +44,7 @@ class HoldConnector(KVConnectorBase_V1):
         return KVConnectorMetadata()
 
     def request_finished(self, request: Any, block_ids: list[int]):
-        return True, None  # keep the blocks: "the KV is being sent"
+        return self.hold, None  # keep the blocks: "the KV is being sent"
 
     # -- worker side ----------------------------------------------------------------------
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
@@ -70,3 +72,11 @@ class HoldConnector(KVConnectorBase_V1):
             del HELD[rid]
             RELEASE.discard(rid)
         return (done or None), None
+
+
+class HoldConnectorHMA(HoldConnector, SupportsHMA):
+    """The same for hybrid KV configs (several KV-cache groups): vLLM turns its hybrid
+    manager off for a connector that does not declare HMA support."""
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]):
+        return self.hold, None
