@@ -431,3 +431,21 @@ def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
     for table in mod.tables(r):
         report.print_table(*table)
     report.write_json(out, "vllm", r)
+
+
+@bench.command(name="cost")
+@quick_option
+@out_option
+@click.option(
+    "--vllm", "with_vllm", is_flag=True, help="Also the real vLLM server (needs its env)."
+)
+def cost_cmd(quick: bool, out: str, with_vllm: bool) -> None:
+    """What a scrape costs the engine's processes: CPU, syscalls, context switches (/proc)."""
+    from kvsidecar.bench import cost
+
+    r = cost.run(quick=quick, vllm=with_vllm)
+    for table in cost.tables(r):
+        report.print_table(*table)
+    if (v := r.get("vllm")) and "skipped" in v:
+        click.echo(f"bench cost --vllm: {v['skipped']}")
+    report.write_json(out, "cost", r)
