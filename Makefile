@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: run test lint bench bench-quick fuzz soak clean venv dist
+.PHONY: run test lint bench bench-quick fuzz soak clean venv dist gpu-check
 
 $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -49,3 +49,8 @@ fuzz: $(STAMP)
 # The 10-minute soak (writer at 1 kHz, scrapes at 20 Hz); not part of `make test`.
 soak: $(STAMP)
 	$(BIN)/kvsidecar bench soak --seconds 600 --out bench-results
+
+# The CUDA path on a machine with a GPU and torch (not CI): CUDA pool tests, the demo, and
+# bench publish/agent/cost on cuda; without CUDA, a dry run (docs/benchmarks.md, "GPU").
+gpu-check:
+	bash .ci/gpu-check

@@ -1,7 +1,7 @@
 """The engine process of ``bench cost`` and of the structural observer test.
 
-``python -m kvsidecar.agent.bench.cost_engine SHM_DIR [--exporter] [--matmul N]`` prints
-one JSON line (pid, segment, exporter port), then serves commands on stdin, one a line:
+``python -m kvsidecar.agent.bench.cost_engine SHM_DIR [--exporter] [--matmul N] [--device D]``
+prints one JSON line (segment, exporter port, step), then serves commands on stdin, one a line:
 ``CONDITION STEPS HZ``. It runs STEPS engine steps of `observer.Engine` under CONDITION
 and answers one JSON line; between commands it is blocked reading stdin, so it does
 nothing unless something wakes it (what the structural test relies on).
@@ -78,10 +78,11 @@ def main() -> None:
     ap.add_argument("shm_dir")
     ap.add_argument("--exporter", action="store_true")
     ap.add_argument("--matmul", type=int, default=192)
+    ap.add_argument("--device", default="cpu")
     args = ap.parse_args()
     torch.set_num_threads(1)
-    engine = Engine(args.matmul)
-    agent = KVSidecarAgent("bench", "m", shm_dir=args.shm_dir, device="cpu")
+    engine = Engine(args.matmul, device=args.device)
+    agent = KVSidecarAgent("bench", "m", shm_dir=args.shm_dir, device=args.device)
     for p in engine.pools:
         agent.register_pool(p)
     agent.step(0, 0)  # a first snapshot, so the daemon has a source at once

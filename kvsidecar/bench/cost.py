@@ -176,8 +176,9 @@ def summarize(rounds: list[dict[str, dict[str, float]]], conditions: tuple[str, 
 class EngineProc:
     """The demo engine process (`kvsidecar.agent.bench.cost_engine`), driven over stdin."""
 
-    def __init__(self, shm_dir: str, exporter: bool) -> None:
+    def __init__(self, shm_dir: str, exporter: bool, device: str = "cpu") -> None:
         cmd = [sys.executable, "-m", "kvsidecar.agent.bench.cost_engine", shm_dir]
+        cmd += ["--device", device]
         self.proc = subprocess.Popen(
             cmd + (["--exporter"] if exporter else []),
             stdin=subprocess.PIPE,
@@ -208,14 +209,14 @@ class EngineProc:
             self.proc.wait()
 
 
-def bench_demo(rounds: int, steps: int) -> dict[str, Any]:
+def bench_demo(rounds: int, steps: int, device: str = "cpu") -> dict[str, Any]:
     tmp = tempfile.mkdtemp(prefix="kvsidecar-cost-", dir="/dev/shm")
     shm = os.path.join(tmp, "shm")
     os.mkdir(shm)
     engine = daemon = None
     scrapers: dict[str, Scraper] = {}
     try:
-        engine = EngineProc(shm, exporter=True)
+        engine = EngineProc(shm, exporter=True, device=device)
         daemon, url = start_daemon(shm)
         dport, eport = int(url.rsplit(":", 1)[1]), engine.hello["exporter_port"]
         for cond in DEMO_CONDITIONS:
@@ -237,6 +238,7 @@ def bench_demo(rounds: int, steps: int) -> dict[str, Any]:
             engine.close()
         shutil.rmtree(tmp, ignore_errors=True)
     return {
+        "device": device,
         "rounds": rounds,
         "steps_per_round": steps,
         "conditions": summarize(per_round, DEMO_CONDITIONS),
@@ -301,9 +303,9 @@ def bench_daemon(rounds: int, window_s: float) -> dict[str, Any]:
     return out
 
 
-def run(quick: bool = False, vllm: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, vllm: bool = False, device: str = "cpu") -> dict[str, Any]:
     out: dict[str, Any] = {"quick": quick}
-    out["demo"] = bench_demo(rounds=3 if quick else 10, steps=300 if quick else 1500)
+    out["demo"] = bench_demo(rounds=3 if quick else 10, steps=300 if quick else 1000, device=device)
     out["daemon"] = bench_daemon(rounds=2 if quick else 6, window_s=2.0 if quick else 5.0)
     if vllm:
         from kvsidecar.bench import cost_vllm
@@ -353,7 +355,8 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
     d = r["demo"]
     out = [
         (
-            f"cost to the demo engine process per scrape answered ({d['rounds']} interleaved "
+            f"cost to the demo engine process ({d['device']}) per scrape answered ({d['rounds']} "
+            "interleaved "
             f"rounds x {d['steps_per_round']} steps; paired deltas vs the same round's none; "
             "the engine also hosts the exporter's listening socket in every condition)",
             ENGINE_HEADERS,
