@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: run test lint bench bench-quick fuzz soak clean venv dist vllm-check
+.PHONY: run test lint bench bench-quick fuzz soak clean venv dist vllm-check gpu-check
 
 $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
@@ -57,3 +57,8 @@ vllm-check: $(STAMP)
 	bash .ci/engine-env $(ENV)
 	KVSIDECAR_REQUIRE_ENGINES=1 $(BIN)/python -m pytest -q -s \
 	  "tests/engines/test_vllm_scheduler.py::test_scheduler_published_fields_equal_recount_and_sabotage_is_caught[$(ENV)]"
+
+# The CUDA path on a machine with a GPU and torch (not CI): CUDA pool tests, the demo, and
+# bench publish/agent/cost on cuda; without CUDA, a dry run (docs/benchmarks.md, "GPU").
+gpu-check:
+	bash .ci/gpu-check

@@ -41,7 +41,10 @@ def start_writer(name: str, shm_dir: str, period: float = 0.005) -> tuple[subpro
     return _start_announcing(["-c", WRITER_SCRIPT, name, shm_dir, str(period)], "writer")
 
 
-def wait_for(predicate, timeout: float = 10.0, interval: float = 0.01) -> bool:
+def wait_for(predicate, timeout: float = 30.0, interval: float = 0.01) -> bool:
+    """Poll until ``predicate()`` holds. An "eventually", not a speed claim: a passing test
+    returns as soon as it holds, so the 30 s default costs nothing unless the test fails,
+    and leaves a loaded host (load average 12 on 2 cores) ample room."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

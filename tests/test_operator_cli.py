@@ -104,6 +104,9 @@ def test_serve_and_dump_share_the_trust_options() -> None:
 
 
 def test_selfcheck_with_a_tiny_duration_ends() -> None:
+    # The command's stated limit is --seconds plus 60 s (bench torn's, which it runs), so
+    # the bound is its contract, not a speed claim; what it costs beyond start-up on a
+    # loaded host is a few seconds. cli() raises past 90 s.
     t0 = time.monotonic()
     r = cli("selfcheck", "--seconds", "0.01", timeout=90)
     assert r.returncode == 0, r.stdout + r.stderr

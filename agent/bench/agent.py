@@ -25,7 +25,7 @@ TARGET_RATIO = 1.2
 TARGET_MEDIAN_NS = 3000
 
 
-def _tiny_pool(num_blocks: int, name: str) -> KVBlockPool:
+def _tiny_pool(num_blocks: int, name: str, device: str = "cpu") -> KVBlockPool:
     # Geometry kept minimal: this measures accounting and publishing, not storage.
     return KVBlockPool(
         num_blocks,
@@ -35,7 +35,7 @@ def _tiny_pool(num_blocks: int, name: str) -> KVBlockPool:
         head_dim=1,
         num_kv_buffers=1,
         dtype=torch.float16,
-        device="cpu",
+        device=device,
         pool_name=name,
     )
 
@@ -45,7 +45,7 @@ def _agent(shm_dir: str, tag: str, pools: list[KVBlockPool]) -> KVSidecarAgent:
         "bench",
         "bench-model",
         shm_dir=shm_dir,
-        device="cpu",
+        device=str(pools[0].device),
         segment_name=f"kvsidecar.bench.{tag}.{os.getpid()}",
     )
     for p in pools:
@@ -53,28 +53,28 @@ def _agent(shm_dir: str, tag: str, pools: list[KVBlockPool]) -> KVSidecarAgent:
     return agent
 
 
-def build_big(blocks: int, deferred: int) -> list[KVBlockPool]:
+def build_big(blocks: int, deferred: int, device: str = "cpu") -> list[KVBlockPool]:
     """A `blocks`-block pool holding `deferred` deferred requests that share a prefix."""
-    big = _tiny_pool(blocks, "block_pool")
+    big = _tiny_pool(blocks, "block_pool", device)
     prefix = list(range(32))  # two shared blocks
     for i in range(deferred):
         rid = f"d{i}"
         if big.allocate_prompt(rid, prefix + [100_000 + i] * 16) is None:
             raise RuntimeError("pool too small for the deferred requests")
         big.finish(rid, connectors=("pd",))
-    return [big] + [_tiny_pool(1000, f"pool{i}") for i in (1, 2, 3)]
+    return [big] + [_tiny_pool(1000, f"pool{i}", device) for i in (1, 2, 3)]
 
 
-def run(quick: bool = False) -> dict[str, Any]:
+def run(quick: bool = False, device: str = "cpu") -> dict[str, Any]:
     blocks = 100_000 if quick else 1_000_000
     deferred = 1_000 if quick else 10_000
     rounds, per_round = (10, 2_000) if quick else (40, 10_000)
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-bench-", dir="/dev/shm")
     t0 = time.monotonic()
-    big_pools = build_big(blocks, deferred)
+    big_pools = build_big(blocks, deferred, device)
     setup_s = time.monotonic() - t0
-    idle_pools = [_tiny_pool(1000, "block_pool")] + [
-        _tiny_pool(1000, f"pool{i}") for i in (1, 2, 3)
+    idle_pools = [_tiny_pool(1000, "block_pool", device)] + [
+        _tiny_pool(1000, f"pool{i}", device) for i in (1, 2, 3)
     ]
     idle = _agent(shm_dir, "idle", idle_pools)
     big = _agent(shm_dir, "big", big_pools)
@@ -94,6 +94,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         samples = {c: [x for r in per_rounds for x in r[c]] for c in ("idle", "big")}
         big_stats = big_pools[0].snapshot()
         result: dict[str, Any] = {
+            "device": device,
             "big_pool_blocks": blocks,
             "deferred_requests": big_stats.deferred_free_requests,
             "deferred_blocks": big_stats.deferred_free_blocks,

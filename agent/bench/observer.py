@@ -82,7 +82,7 @@ RUNTIME_FIELDS = [
 class Engine:
     """Fixed work per step: admit/decode/finish requests on a real pool + one matmul."""
 
-    def __init__(self, matmul: int, pools: int = 4) -> None:
+    def __init__(self, matmul: int, pools: int = 4, device: str = "cpu") -> None:
         self.pools = [
             KVBlockPool(
                 4096,
@@ -91,15 +91,16 @@ class Engine:
                 kv_heads=1,
                 head_dim=1,
                 num_kv_buffers=1,
-                device="cpu",
+                device=device,
                 pool_name=f"pool{i}",
             )
             for i in range(pools)
         ]
         self.lock = threading.Lock()  # only taken in the locked_snapshot condition
         self.use_lock = False
-        self.a = torch.randn(matmul, matmul)
-        self.b = torch.randn(matmul, matmul)
+        self.a = torch.randn(matmul, matmul, device=device)
+        self.b = torch.randn(matmul, matmul, device=device)
+        self.sync = torch.cuda.synchronize if self.a.is_cuda else (lambda: None)
         self.rng = random.Random(0)
         self.running: list[str] = []
         self.n = 0
@@ -128,6 +129,7 @@ class Engine:
         else:
             self._schedule()
         torch.mm(self.a, self.b)
+        self.sync()  # a step ends when its kernel has (a no-op on CPU)
 
 
 def _locked_snapshot(engine: Engine) -> dict[str, Any]:

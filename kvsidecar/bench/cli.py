@@ -71,16 +71,22 @@ def _ci(cmp: dict) -> str:
     return f"{lo:.3f}-{hi:.3f}"
 
 
+device_option = click.option(
+    "--device", default="cpu", show_default=True, help="torch device of the pools (cuda: GPU)."
+)
+
+
 @bench.command(name="agent")
 @quick_option
 @out_option
-def agent_cmd(quick: bool, out: str) -> None:
+@device_option
+def agent_cmd(quick: bool, out: str, device: str) -> None:
     """Agent step cost: idle vs 1,000,000 blocks with 10,000 deferred requests (needs torch)."""
     from kvsidecar.agent.bench import agent as bench_agent
 
-    r = bench_agent.run(quick=quick)
+    r = bench_agent.run(quick=quick, device=device)
     report.print_table(
-        f"agent publish per step, 4 pools (big: {r['big_pool_blocks']:,} blocks, "
+        f"agent publish per step, 4 pools on {device} (big: {r['big_pool_blocks']:,} blocks, "
         f"{r['deferred_requests']:,} deferred requests holding {r['deferred_blocks']:,} blocks)",
         ["condition", "n", "median ns", "p99 ns", "ratio to idle", "round ratio 95% CI"],
         [
@@ -431,3 +437,22 @@ def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
     for table in mod.tables(r):
         report.print_table(*table)
     report.write_json(out, "vllm", r)
+
+
+@bench.command(name="cost")
+@quick_option
+@out_option
+@click.option(
+    "--vllm", "with_vllm", is_flag=True, help="Also the real vLLM server (needs its env)."
+)
+@device_option
+def cost_cmd(quick: bool, out: str, with_vllm: bool, device: str) -> None:
+    """What a scrape costs the engine's processes: CPU, syscalls, context switches (/proc)."""
+    from kvsidecar.bench import cost
+
+    r = cost.run(quick=quick, vllm=with_vllm, device=device)
+    for table in cost.tables(r):
+        report.print_table(*table)
+    if (v := r.get("vllm")) and "skipped" in v:
+        click.echo(f"bench cost --vllm: {v['skipped']}")
+    report.write_json(out, "cost", r)

@@ -68,10 +68,12 @@ def bootstrap_interval(
     logs = [math.log(r) for r in good]
     n = len(logs)
     means = sorted(math.exp(sum(rng.choices(logs, k=n)) / n) for _ in range(resamples))
-    tail = (1 - confidence) / 2
-    lo = means[min(resamples - 1, int(tail * resamples))]
-    hi = means[min(resamples - 1, int((1 - tail) * resamples))]
-    return (lo, hi)
+    return _tails(means, confidence)
+
+
+def _tails(sorted_means: Sequence[float], confidence: float) -> tuple[float, float]:
+    k, tail = len(sorted_means), (1 - confidence) / 2
+    return (sorted_means[min(k - 1, int(tail * k))], sorted_means[min(k - 1, int((1 - tail) * k))])
 
 
 def compare(
@@ -107,3 +109,22 @@ def verdict(cmp: Mapping[str, Any]) -> str:
     if cmp.get("met") is None:
         return "-"
     return "met" if cmp["met"] else "NOT met"
+
+
+def mean_interval(
+    values: Sequence[float],
+    *,
+    confidence: float = 0.95,
+    resamples: int = BOOTSTRAP_RESAMPLES,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Mean of per-round *differences* (which may be negative or zero, unlike ratios) and
+    its percentile-bootstrap interval over rounds."""
+    good = [v for v in values if math.isfinite(v)]
+    if not good:
+        return {"rounds": 0, "mean": float("nan"), "ci95": [float("nan"), float("nan")]}
+    rng = random.Random(seed)
+    n = len(good)
+    means = sorted(sum(rng.choices(good, k=n)) / n for _ in range(resamples))
+    lo, hi = _tails(means, confidence)
+    return {"rounds": n, "values": good, "mean": statistics.fmean(good), "ci95": [lo, hi]}

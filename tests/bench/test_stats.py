@@ -65,3 +65,13 @@ def test_interval_lies_within_the_rounds_and_is_reproducible(
     assert min(ratios) - tol <= lo <= hi <= max(ratios) + tol
     assert math.isfinite(stats.geometric_mean(ratios))
     assert stats.bootstrap_interval(ratios, resamples=500, seed=seed) == (lo, hi)
+
+
+def test_mean_interval_takes_differences_of_any_sign() -> None:
+    # Per-round deltas (bench cost) can be zero or negative; ratios' log would fail there.
+    r = stats.mean_interval([-1.0, 0.0, 1.0, 2.0])
+    assert r["mean"] == 0.5 and r["rounds"] == 4
+    lo, hi = r["ci95"]
+    assert -1.0 <= lo < 0.5 < hi <= 2.0
+    assert stats.mean_interval([3.0] * 5)["ci95"] == [3.0, 3.0]
+    assert stats.mean_interval([float("nan")])["rounds"] == 0

@@ -89,7 +89,6 @@ def test_metrics_match_what_writers_published(daemon: str) -> None:
             value(fetch(daemon + "/metrics")[2], "kvsidecar_engine_steps_total", segment=seg0)
             > first
         ),
-        timeout=5,
     )
 
 
@@ -135,8 +134,9 @@ def test_stop_kill_restart(shm_dir: str) -> None:
         m = lambda: fetch(url + "/metrics")[2]  # noqa: E731
         assert wait_for(lambda: value(m(), "kvsidecar_source_up", segment=name) == 1.0)
         writer.send_signal(signal.SIGSTOP)
-        # Stale within the configured age (1 s) plus a poll: up 0, no values served as fresh.
-        assert wait_for(lambda: value(m(), "kvsidecar_source_up", segment=name) == 0.0, timeout=3)
+        # Stale once older than the configured age (1 s): up 0, no values served as fresh.
+        # The age check below is a lower bound: a loaded host can only make it larger.
+        assert wait_for(lambda: value(m(), "kvsidecar_source_up", segment=name) == 0.0)
         text = m()
         assert value(text, "kvsidecar_source_state", segment=name, state="stale") == 1.0
         assert value(text, "kvsidecar_source_snapshot_age_seconds", segment=name) >= 1.0
@@ -148,7 +148,6 @@ def test_stop_kill_restart(shm_dir: str) -> None:
         writer.wait()
         assert wait_for(
             lambda: value(m(), "kvsidecar_source_state", segment=name, state="dead") == 1.0,
-            timeout=3,
         )
         assert value(m(), "kvsidecar_source_up", segment=name) == 0.0
         writer, inc2 = start_rank(name, shm_dir, dp=0)

@@ -9,7 +9,6 @@ import signal
 import subprocess
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -82,9 +81,9 @@ def test_demo_names_the_engine_that_died(shm_dir: str, tmp_path: Path) -> None:
         r = read_segment(name, shm_dir=shm_dir)
         assert isinstance(r, Reading)
         os.kill(r.writer_pid, signal.SIGKILL)
-        t0 = time.monotonic()
+        # Unnoticed, the death would let the demo run to its --duration (90 s); the only
+        # bound is well under that, and 200x the supervisor's 0.2 s poll: room for load.
         assert demo.proc.wait(40) == 1, demo.err
-        assert time.monotonic() - t0 < 30
         stopping = [ln for ln in demo.err.splitlines() if "stopping (" in ln]
         assert stopping and name in stopping[0] and "duration" not in stopping[0], demo.err
     finally:

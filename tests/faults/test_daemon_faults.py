@@ -52,7 +52,6 @@ def test_writer_restarted_100_times_is_followed_without_leaks(shm_dir: str, serv
         # Followed: the new incarnation is seen (the generation counts restarts).
         assert wait_for(
             lambda i=i: value(metrics(url), "kvsidecar_source_generation", segment=name) == i + 1,
-            timeout=5,
         ), i
     text = metrics(url)
     assert value(text, "kvsidecar_source_writer_restarts_total", segment=name) == 100
@@ -139,7 +138,7 @@ def test_bad_files_at_discovery_are_refused_with_a_reason(shm_dir: str, served) 
         ]
         return value(text, "kvsidecar_refused_segments") == 3 and None not in corrupt
 
-    assert wait_for(settled, timeout=5), text
+    assert wait_for(settled), text
     # Refused (symlink, fifo, major): not targets, so they mint no series.
     for suffix in ("symlink", "fifo", "major"):
         assert value(text, "kvsidecar_source_up", segment="kvsidecar." + suffix) is None

@@ -202,7 +202,7 @@ time.sleep(30)
         assert reader.attach() is None and reader.writer_alive()
         proc.kill()
         proc.wait()
-        assert wait_for(lambda: not reader.writer_alive(), timeout=5)
+        assert wait_for(lambda: not reader.writer_alive())
         assert os.path.exists(os.path.join(shm_dir, NAME))
         reader.close()
     finally:

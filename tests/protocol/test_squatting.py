@@ -179,7 +179,7 @@ def test_reader_locks_neither_fake_a_live_writer_nor_block_its_restart(shm_dir: 
         proc.wait()
         assert hijacker.stdout.readline().startswith("hijacked")
         # The hijacker holds flock(LOCK_EX) and an OFD read lock on the dead writer's file.
-        assert wait_for(lambda: not reader.writer_alive(), timeout=5)
+        assert wait_for(lambda: not reader.writer_alive())
         assert isinstance(read_segment(NAME, shm_dir=shm_dir), WriterDead)
         reader.close()
         with SegmentWriter(NAME, shm_dir=shm_dir) as w:  # the restarted engine is let in

@@ -320,11 +320,16 @@ def test_basic_auth_caches_outcomes(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_basic_auth_cache_is_fast() -> None:
     auth = BasicAuth({"alice": bcrypt.hashpw(b"right", bcrypt.gensalt(10)).decode()})
-    assert auth.check("alice", "right")
+    t0 = time.perf_counter()
+    assert auth.check("alice", "right")  # uncached: one bcrypt check, the baseline
+    uncached = time.perf_counter() - t0
     t0 = time.perf_counter()
     for _ in range(100):
         assert auth.check("alice", "right")
-    assert time.perf_counter() - t0 < 0.05
+    # A ratio measured side by side, not a bound in seconds: 100 cached checks cost less
+    # than the one bcrypt check (each is microseconds against ~85 ms); without the cache
+    # they would cost 100 of them.
+    assert time.perf_counter() - t0 < uncached
 
 
 def test_basic_auth_cache_is_bounded() -> None:

@@ -48,9 +48,11 @@ def _trickle_until_closed(port: int, period: float, limit_s: float) -> float | N
 
 def test_request_head_has_one_deadline_not_one_per_read(handlers: FakeHandlers) -> None:
     with WebServer(handlers, ["127.0.0.1:0"], request_timeout_s=1.0) as server:
-        took = _trickle_until_closed(port_of(server), period=0.2, limit_s=6.0)
+        # A per-read deadline never cuts off a byte every 0.2 s, however long it waits;
+        # one deadline per head does, after 1 s. So the only bound needed is a finite
+        # one: 30x the deadline, which a loaded host's late timers do not eat.
+        took = _trickle_until_closed(port_of(server), period=0.2, limit_s=30.0)
         assert took is not None, "a client sending a byte every 0.2 s was never cut off"
-        assert took < 4.0, f"cut off after {took:.1f} s; the deadline is 1 s"
 
 
 @pytest.fixture
@@ -118,8 +120,10 @@ def _probes_answer_under_tricklers(
             time.sleep(0.2)
     finally:
         attack.stop()
-    failed = [(p, s, round(t, 2)) for p, s, t in results if s != 200 or t > 5.0]
-    assert not failed, f"{len(failed)}/{len(results)} probes failed or took > 5 s: {failed[:6]}"
+    # Starved probes (the defect: a thread per trickler) never answer. The only time bound
+    # is the probe's own 10 s timeout, ~2,000x the p99 `bench slowloris` measures here.
+    failed = [(p, s, round(t, 2)) for p, s, t in results if s != 200]
+    assert not failed, f"{len(failed)}/{len(results)} probes failed: {failed[:6]}"
     assert held >= n, f"the daemon held at most {held} fds: the {n} tricklers did not connect"
 
 

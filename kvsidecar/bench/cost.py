@@ -1,0 +1,393 @@
+"""``kvsidecar bench cost``: what a scrape costs the engine's own processes, counted.
+
+Wall-clock ratios cannot settle the observer claim on a host whose cores the daemon,
+the scraper and other tenants share; work counters can (`proccount`). A fixed workload
+runs under each condition in interleaved rounds (order shuffled per round), and the
+engine's process tree is counted before and after each: CPU, context switches,
+read/write syscalls, sockets. Per round, each condition's counts minus the same round's
+``none`` are divided by the scrapes answered in it; the mean over rounds carries a
+bootstrap 95 % interval (`stats.mean_interval`).
+
+* demo engine (`agent/bench/cost_engine.py`, its own process): N steps of
+  `observer.Engine` under none, kvsidecar at 20 and 50 Hz (agent publishing each step,
+  daemon scraped from another process), the in-process prometheus_client exporter at
+  20 and 50 Hz, and the kvcached-style locked snapshot at 20 Hz;
+* daemon: its CPU per scrape over 1 rank x 4 pools and 8 ranks x 4 pools (scrape
+  windows paired with idle windows of the same length), and the core budget at 20 and
+  50 Hz that follows;
+* ``--vllm`` (needs the vLLM env): the real server (API server, EngineCore) answering a
+  fixed set of completions (fixed prompt, max_tokens, ignore_eos) under none,
+  kvsidecar at 20/50 Hz and vLLM's own /metrics at 20/50 Hz.
+"""
+
+from __future__ import annotations
+
+import json
+import mmap
+import os
+import random
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from collections.abc import Callable
+from typing import Any
+
+from kvsidecar.bench import proccount, stats
+from kvsidecar.bench.fleet import fleet, start_daemon, stop_daemon
+
+DEMO_CONDITIONS = (
+    "none",
+    "kvsidecar@0",
+    "kvsidecar@20",
+    "kvsidecar@50",
+    "prometheus_client@0",
+    "prometheus_client@20",
+    "prometheus_client@50",
+    "locked_snapshot@20",
+)
+VLLM_CONDITIONS = ("none", "kvsidecar@20", "kvsidecar@50", "vllm@20", "vllm@50")
+SETTLE_S = 0.1  # after a round: an in-flight scrape finishes inside its own round
+
+# Scrapes a URL at HZ over one keep-alive connection (as Prometheus does) and keeps the
+# count of 200s in an 8-byte file it maps, so reading it costs the engine nothing. The
+# benchmark SIGSTOPs it between its rounds.
+_SCRAPER = r"""
+import http.client, mmap, struct, sys, time
+host, port, path, counter = sys.argv[1], int(sys.argv[2]), sys.argv[3], sys.argv[5]
+hz = float(sys.argv[4])
+with open(counter, "r+b") as f:
+    m = mmap.mmap(f.fileno(), 8)
+ok, conn, nxt = 0, None, time.monotonic()
+while True:
+    try:
+        conn = conn or http.client.HTTPConnection(host, port, timeout=5)
+        conn.request("GET", path); r = conn.getresponse(); r.read()
+        if r.status == 200:
+            ok += 1
+            struct.pack_into("Q", m, 0, ok)
+        if r.getheader("connection", "").lower() == "close" or r.version == 10:
+            conn.close(); conn = None
+    except (OSError, http.client.HTTPException):
+        if conn is not None:
+            conn.close()
+        conn = None
+    nxt = max(nxt + 1 / hz, time.monotonic() - 1 / hz)
+    time.sleep(max(0.0, nxt - time.monotonic()))
+"""
+
+
+class Scraper:
+    """One scraper process for one (port, path, Hz), stopped until resumed."""
+
+    def __init__(self, port: int, path: str, hz: float, tmp: str) -> None:
+        counter = os.path.join(tmp, f"scrapes-{port}-{hz:g}")
+        with open(counter, "wb") as f:
+            f.write(bytes(8))
+        with open(counter, "r+b") as f:
+            self._map = mmap.mmap(f.fileno(), 8)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-c", _SCRAPER, "127.0.0.1", str(port), path, str(hz), counter]
+        )
+        self.proc.send_signal(signal.SIGSTOP)
+
+    @property
+    def answered(self) -> int:
+        return struct.unpack_from("Q", self._map, 0)[0]
+
+    def resume(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+
+    def pause(self) -> None:
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        self.proc.send_signal(signal.SIGCONT)
+        self.proc.kill()
+        self.proc.wait()
+
+
+def counted_round(
+    pid: int, work: Callable[[], int | None], scraper: Scraper | None
+) -> dict[str, float]:
+    """Counters of pid's tree over one round of ``work`` with ``scraper`` running;
+    "scrapes" is what the scraper got answered (or what ``work`` says it served)."""
+    before, root0 = proccount.tree_counters(pid), proccount.counters(pid)
+    done0 = scraper.answered if scraper else 0
+    if scraper:
+        scraper.resume()
+    served = work()
+    if scraper:
+        scraper.pause()
+    time.sleep(SETTLE_S)
+    after, root1 = proccount.tree_counters(pid), proccount.counters(pid)
+    out = proccount.delta(after, before)
+    out["root_cpu_ms"] = root1["cpu_ms"] - root0["cpu_ms"]  # the tree's first process alone
+    out["syscalls"] = out["syscr"] + out["syscw"]
+    out["ctxt"] = out["voluntary_ctxt"] + out["nonvoluntary_ctxt"]
+    out["sockets"] = after["sockets"]
+    out["processes"] = after["processes"]
+    if served is None:
+        served = scraper.answered - done0 if scraper else 0
+    out["scrapes"] = float(served)
+    return out
+
+
+PER_SCRAPE = ("cpu_ms", "root_cpu_ms", "syscalls", "ctxt", "voluntary_ctxt", "rchar", "wchar")
+
+
+def baseline(cond: str) -> str:
+    """What a condition is paired with: the same observer unscraped (``X@0``: what it
+    costs per step, publish or gauge updates), so the delta is the scrapes alone."""
+    target, _, hz = cond.partition("@")
+    return f"{target}@0" if hz and hz != "0" and target != "locked_snapshot" else "none"
+
+
+def summarize(rounds: list[dict[str, dict[str, float]]], conditions: tuple[str, ...]) -> dict:
+    """Per condition, paired with its baseline in the same round: deltas per scrape
+    answered (per round for the unscraped ``X@0``), mean + 95 % CI."""
+    out: dict[str, Any] = {}
+    for cond in conditions:
+        rows = [r[cond] for r in rounds]
+        entry: dict[str, Any] = {
+            "baseline": baseline(cond) if baseline(cond) in conditions else "none",
+            "scrapes_per_round": statistics.fmean(x["scrapes"] for x in rows),
+            "sockets": max(x["sockets"] for x in rows),
+            "processes": max(x["processes"] for x in rows),
+            "absolute": {k: statistics.fmean(x[k] for x in rows) for k in PER_SCRAPE},
+        }
+        if cond != "none":
+            base, scraped = entry["baseline"], entry["scrapes_per_round"] > 0
+            for k in PER_SCRAPE:
+                per = [
+                    (r[cond][k] - r[base][k]) / (r[cond]["scrapes"] if scraped else 1)
+                    for r in rounds
+                    if r[cond]["scrapes"] > 0 or not scraped
+                ]
+                entry[f"{k}_{'per_scrape' if scraped else 'per_round'}"] = stats.mean_interval(per)
+        out[cond] = entry
+    return out
+
+
+class EngineProc:
+    """The demo engine process (`kvsidecar.agent.bench.cost_engine`), driven over stdin."""
+
+    def __init__(self, shm_dir: str, exporter: bool, device: str = "cpu") -> None:
+        cmd = [sys.executable, "-m", "kvsidecar.agent.bench.cost_engine", shm_dir]
+        cmd += ["--device", device]
+        self.proc = subprocess.Popen(
+            cmd + (["--exporter"] if exporter else []),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        self.hello = self._reply()
+        self.pid = self.proc.pid
+
+    def _reply(self) -> dict[str, Any]:
+        line = self.proc.stdout.readline()  # type: ignore[union-attr]
+        if not line:
+            raise RuntimeError(f"cost engine exited (code {self.proc.wait()})")
+        return json.loads(line)
+
+    def run(self, cond: str, steps: int, hz: float = 20.0) -> dict[str, Any]:
+        self.proc.stdin.write(f"{cond} {steps} {hz:g}\n")  # type: ignore[union-attr]
+        self.proc.stdin.flush()  # type: ignore[union-attr]
+        return self._reply()
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+
+def bench_demo(rounds: int, steps: int, device: str = "cpu") -> dict[str, Any]:
+    tmp = tempfile.mkdtemp(prefix="kvsidecar-cost-", dir="/dev/shm")
+    shm = os.path.join(tmp, "shm")
+    os.mkdir(shm)
+    engine = daemon = None
+    scrapers: dict[str, Scraper] = {}
+    try:
+        engine = EngineProc(shm, exporter=True, device=device)
+        daemon, url = start_daemon(shm)
+        dport, eport = int(url.rsplit(":", 1)[1]), engine.hello["exporter_port"]
+        for cond in DEMO_CONDITIONS:
+            target, _, hz = cond.partition("@")
+            if target in ("kvsidecar", "prometheus_client") and hz != "0":
+                port = dport if target == "kvsidecar" else eport
+                scrapers[cond] = Scraper(port, "/metrics", float(hz), tmp)
+        per_round = interleaved_rounds(
+            rounds,
+            DEMO_CONDITIONS,
+            lambda cond: _demo_round(engine, cond, steps, scrapers.get(cond)),
+        )
+    finally:
+        for s in scrapers.values():
+            s.close()
+        if daemon is not None:
+            stop_daemon(daemon)
+        if engine is not None:
+            engine.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return {
+        "device": device,
+        "rounds": rounds,
+        "steps_per_round": steps,
+        "conditions": summarize(per_round, DEMO_CONDITIONS),
+    }
+
+
+def _demo_round(
+    engine: EngineProc, cond: str, steps: int, scraper: Scraper | None
+) -> dict[str, float]:
+    target, _, hz = cond.partition("@")
+
+    def work() -> int | None:
+        r = engine.run(target, steps, float(hz or 20))
+        return r["snapshots"] if target == "locked_snapshot" else None
+
+    return counted_round(engine.pid, work, scraper)
+
+
+def interleaved_rounds(
+    rounds: int, conditions: tuple[str, ...], one: Callable[[str], dict[str, float]]
+) -> list[dict[str, dict[str, float]]]:
+    order, rng, out = list(conditions), random.Random(1), []
+    for _ in range(rounds):
+        rng.shuffle(order)  # interleaved, shuffled: host drift hits every condition alike
+        out.append({cond: one(cond) for cond in order})
+    return out
+
+
+def bench_daemon(rounds: int, window_s: float) -> dict[str, Any]:
+    """The daemon's CPU per scrape (8 writer segments at 100 Hz or 1), and its idle cost."""
+    out: dict[str, Any] = {}
+    for ranks in (1, 8):
+        tmp = tempfile.mkdtemp(prefix="kvsidecar-cost-d-", dir="/dev/shm")
+        with fleet(ranks=ranks, pools=4, hz=100.0) as f:
+            body = urllib.request.urlopen(f["url"] + "/metrics").read()
+            scraper = Scraper(f["port"], "/metrics", 50.0, tmp)
+            per = []
+            try:
+                for _ in range(rounds):
+                    idle = counted_round(f["daemon_pid"], lambda: time.sleep(window_s), None)
+                    busy = counted_round(f["daemon_pid"], lambda: time.sleep(window_s), scraper)
+                    per.append((idle, busy))
+            finally:
+                scraper.close()
+                shutil.rmtree(tmp, ignore_errors=True)
+        ms = stats.mean_interval(
+            [(b["cpu_ms"] - i["cpu_ms"]) / b["scrapes"] for i, b in per if b["scrapes"]]
+        )
+        idle_ms_s = statistics.fmean(i["cpu_ms"] for i, _ in per) / (window_s + SETTLE_S)
+        out[f"{ranks}x4"] = {
+            "ranks": ranks,
+            "pools": 4,
+            "body_bytes": len(body),
+            "cpu_ms_per_scrape": ms,
+            "syscalls_per_scrape": stats.mean_interval(
+                [(b["syscalls"] - i["syscalls"]) / b["scrapes"] for i, b in per if b["scrapes"]]
+            ),
+            "idle_cpu_ms_per_s": idle_ms_s,
+            # % of one core = (idle poll ms/s + Hz x ms/scrape) / 10, the upper bound used
+            "core_pct": {hz: (idle_ms_s + hz * ms["ci95"][1]) / 10 for hz in (20, 50)},
+        }
+    return out
+
+
+def run(quick: bool = False, vllm: bool = False, device: str = "cpu") -> dict[str, Any]:
+    out: dict[str, Any] = {"quick": quick}
+    out["demo"] = bench_demo(rounds=3 if quick else 10, steps=300 if quick else 1000, device=device)
+    out["daemon"] = bench_daemon(rounds=2 if quick else 6, window_s=2.0 if quick else 5.0)
+    if vllm:
+        from kvsidecar.bench import cost_vllm
+
+        out["vllm"] = cost_vllm.run(quick=quick)
+    return out
+
+
+def _cell(m: dict[str, Any], scale: float = 1.0, fmt: str = "{:.3f}") -> str:
+    lo, hi = m["ci95"]
+    return f"{fmt.format(m['mean'] * scale)} [{fmt.format(lo * scale)}, {fmt.format(hi * scale)}]"
+
+
+ENGINE_HEADERS = [
+    "condition",
+    "vs",
+    "scrapes/round",
+    "engine CPU ms/scrape [95% CI]",
+    "of it, first process (vLLM: API server)",
+    "syscalls/scrape (read/write) [95% CI]",
+    "ctx switches/scrape [95% CI]",
+    "sockets",
+    "processes",
+]
+_COLUMNS = (("cpu_ms", "{:.3f}"), ("root_cpu_ms", "{:.3f}"), ("syscalls", "{:.2f}"),
+            ("ctxt", "{:.2f}"))  # fmt: skip
+
+
+def engine_rows(conditions: dict[str, Any]) -> list[list[Any]]:
+    """One row per condition; an unscraped ``X@0`` row gives its cost per round instead."""
+    rows = []
+    for cond, v in conditions.items():
+        row: list[Any] = [cond, "-" if cond == "none" else v["baseline"]]
+        row.append(round(v["scrapes_per_round"], 1))
+        for key, fmt in _COLUMNS:
+            if cond == "none":
+                row.append("-")
+            elif v["scrapes_per_round"] > 0:
+                row.append(_cell(v[f"{key}_per_scrape"], fmt=fmt))
+            else:
+                row.append(f"per round: {_cell(v[f'{key}_per_round'], fmt='{:.0f}')}")
+        rows.append([*row, int(v["sockets"]), int(v["processes"])])
+    return rows
+
+
+def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    d = r["demo"]
+    out = [
+        (
+            f"cost to the demo engine process ({d['device']}) per scrape answered ({d['rounds']} "
+            "interleaved "
+            f"rounds x {d['steps_per_round']} steps; paired deltas vs the same round's none; "
+            "the engine also hosts the exporter's listening socket in every condition)",
+            ENGINE_HEADERS,
+            engine_rows(d["conditions"]),
+        )
+    ]
+    out.append(
+        (
+            "daemon CPU per scrape (50 Hz scrape windows paired with idle windows) and the "
+            "core budget (idle poll + Hz x CI upper bound)",
+            ["ranks x pools", "body bytes", "CPU ms/scrape [95% CI]", "syscalls/scrape",
+             "idle ms/s", "% core at 20 Hz", "% core at 50 Hz"],
+            [
+                [k, v["body_bytes"], _cell(v["cpu_ms_per_scrape"]),
+                 _cell(v["syscalls_per_scrape"], fmt="{:.1f}"), round(v["idle_cpu_ms_per_s"], 2),
+                 round(v["core_pct"][20], 2), round(v["core_pct"][50], 2)]
+                for k, v in r["daemon"].items()
+            ],
+        )
+    )  # fmt: skip
+    if v := r.get("vllm"):
+        if "skipped" in v:
+            return out
+        out.append(
+            (
+                f"cost to vLLM's processes (API server, EngineCore) per scrape answered "
+                f"({v['rounds']} rounds x {v['requests']} completions of {v['max_tokens']} "
+                "tokens; paired deltas vs the same round's none)",
+                ENGINE_HEADERS,
+                engine_rows(v["conditions"]),
+            )
+        )
+    return out
