@@ -544,7 +544,8 @@ class PoolMachine(RuleBasedStateMachine):
             virtual_blocks=m.rows,
             in_shrink=m.in_shrink,
             shrink_target_blocks=m.target if m.in_shrink else None,
-            deferred_free_requests=len(self._deferred()),
+            # schema.md: only deferred requests holding a block of this pool count.
+            deferred_free_requests=sum(bool(m.reqs[r].table) for r in self._deferred()),
             deferred_free_blocks=int(deferred.sum()),
             tokens_used=int(fill[held].sum()),
             allocs_total=m.allocs,
@@ -572,7 +573,7 @@ class PoolMachine(RuleBasedStateMachine):
         want = self.expected()
         # The oldest deferral: the earliest-deferred request still deferred (dict order is
         # deferral order in the model), its stamp within that call's clock bracket.
-        stamps = [q.deferred_at for q in m.reqs.values() if q.pending is not None]
+        stamps = [q.deferred_at for q in m.reqs.values() if q.pending is not None and q.table]
         if stamps:
             lo, hi = min(stamps)
             assert lo <= got.oldest_deferred_free_mono_ns <= hi

@@ -90,7 +90,8 @@ def test_an_engine_stepping_with_every_publish_failing_is_not_called_hung(shm_di
     The heartbeat moves only on successful publishes, so the segment goes stale; the
     verdict must say the publishes fail, not that the engine hung."""
     source = _Flaky()
-    agent = KVSidecarAgent("test", shm_dir=shm_dir, segment_name=NAME)
+    # No idle heartbeat: this test ages the segment on purpose.
+    agent = KVSidecarAgent("test", shm_dir=shm_dir, segment_name=NAME, heartbeat_interval=0)
     try:
         assert agent.register_pool(source)
         agent.step()
