@@ -11,6 +11,7 @@ import signal
 import tracemalloc
 
 import msgspec
+import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
 from kvsidecar.daemon.collector import SnapshotCollector
