@@ -50,7 +50,13 @@ from kvsidecar.agent.adapters import PoolSource
 from kvsidecar.agent.pool import DeferredRequests, DeviceMemorySampler, default_device
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR, default_segment_name
-from kvsidecar.protocol.schema import ROLES, KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
+from kvsidecar.protocol.schema import (
+    MAX_LABEL_LENGTH,
+    ROLES,
+    KVCachePoolSnapshot,
+    RuntimeSnapshot,
+    Snapshot,
+)
 from kvsidecar.protocol.writer import SegmentWriter
 
 log = logging.getLogger("kvsidecar.agent")
@@ -86,6 +92,20 @@ def _count(value: object) -> int:
 
 def _text(value: object) -> str:
     return os.fspath(value) if isinstance(value, os.PathLike) else str(value)  # type: ignore[return-value]
+
+
+def _label(value: object) -> str:
+    """A label value within a default daemon's budget (segment-format.md section 8)."""
+    text = _text(value)
+    if len(text) > MAX_LABEL_LENGTH:
+        log.warning(
+            "kvsidecar: %r is %d characters; published as its first %d (daemon label budget)",
+            text[:40] + "...",
+            len(text),
+            MAX_LABEL_LENGTH,
+        )
+        return text[:MAX_LABEL_LENGTH]
+    return text
 
 
 def _default_instance() -> str:
@@ -192,9 +212,9 @@ class KVSidecarAgent:
             log.warning("kvsidecar: role %r is not one of %s; using 'both'", role, ROLES)
             role = "both"
         r = self.runtime
-        r.engine = engine
-        r.engine_version = _setting(engine_version, env, settings.ENGINE_VERSION)
-        r.model_name = _setting(model_name, env, settings.MODEL_NAME)
+        r.engine = _label(engine)
+        r.engine_version = _label(_setting(engine_version, env, settings.ENGINE_VERSION))
+        r.model_name = _label(_setting(model_name, env, settings.MODEL_NAME))
         r.role = role
         r.dp_rank = _setting(dp_rank, env, settings.DP_RANK, cast=_int_env)
         r.dp_size = _setting(dp_size, env, settings.DP_SIZE, cast=_int_env)
@@ -204,11 +224,11 @@ class KVSidecarAgent:
         r.pp_size = _setting(pp_size, env, settings.PP_SIZE, cast=_int_env)
         r.instance = _setting(instance, env, settings.INSTANCE) or _default_instance()
         try:
-            r.device = _text(device or default_device())
+            r.device = _label(device or default_device())
             self._memory = DeviceMemorySampler(r.device)
         except Exception as e:  # an unknown device: publish without device memory
             log.warning("kvsidecar: device %r not usable (%s); no device memory", device, e)
-            r.device = _text(device)
+            r.device = _label(device)
         self.shm_dir = _setting(shm_dir, env, settings.SHM_DIR)
         self.segment_name = _setting(
             segment_name,
@@ -256,13 +276,19 @@ class KVSidecarAgent:
             if not isinstance(record, KVCachePoolSnapshot):
                 raise TypeError(f"snapshot() returned {type(record).__name__}")
             alias = self._free_name(record)
+            published = alias or record.pool_name
+            if not isinstance(published, str) or len(published) > MAX_LABEL_LENGTH:
+                raise ValueError(
+                    f"pool_name {str(published)[:40]!r}... is over {MAX_LABEL_LENGTH} "
+                    "characters (a default daemon's label budget): give it a shorter name"
+                )
             track = getattr(source, "track_deferred", None)
             tracked = callable(track)
             if tracked:
                 track(self._deferred)
         except Exception as e:
             log.warning(
-                "kvsidecar: refusing to publish %r: not a pool source (%s: %s)",
+                "kvsidecar: refusing to publish %r (%s: %s)",
                 source,
                 type(e).__name__,
                 e,

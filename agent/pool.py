@@ -39,6 +39,8 @@ Counter definitions (``pool.stats``), all in blocks unless named ``*_bytes``:
   `append_slots`, `alloc_blocks`, `try_to_reserve`); one per call, not per block.
 * ``prefix_queries_total``: full prompt blocks looked up; the lookup stops at the first
   miss, which is counted. ``prefix_hits_total``: of which found.
+* ``prefix_query_tokens_total``: prompt tokens looked up (every token of the prompt, vLLM's
+  unit); ``prefix_hit_tokens_total``: tokens in the blocks found. The two ratios differ.
 * ``block_size_bytes``: block_size x kv_heads x head_dim x itemsize (one layer, one buffer).
   ``*_bytes`` = blocks x block_size_bytes x num_layers x num_kv_buffers.
 * ``virtual_blocks``: the storage rows, null block included (this pool's reservation,
@@ -242,6 +244,8 @@ class KVBlockPool:
             alloc_failures_total=0,
             prefix_queries_total=0,
             prefix_hits_total=0,
+            prefix_query_tokens_total=0,
+            prefix_hit_tokens_total=0,
         )
         self._publish_geometry()
         self._publish()
@@ -616,6 +620,9 @@ class KVBlockPool:
             hits = len(table)
             self.stats.prefix_queries_total += hits + (hits < len(hashes))
             self.stats.prefix_hits_total += hits
+            # vLLM's token unit: the whole prompt looked up, the cached tokens found.
+            self.stats.prefix_query_tokens_total += n
+            self.stats.prefix_hit_tokens_total += hits * bs
         hits = len(table)
         need = nblocks - hits
         if not self._fits(need, revive):

@@ -32,6 +32,7 @@ from kvsidecar.protocol.reader import array_len
 from kvsidecar.protocol.schema import (
     IDENTITY_FIELDS,
     INT_LIMIT,
+    MAX_LABEL_LENGTH,
     KVCachePoolSnapshot,
     RuntimeSnapshot,
     Snapshot,
@@ -39,7 +40,7 @@ from kvsidecar.protocol.schema import (
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024  # 64x the agent's default slot
 DEFAULT_MAX_POOLS = 64
-DEFAULT_MAX_LABEL_LENGTH = 256
+DEFAULT_MAX_LABEL_LENGTH = MAX_LABEL_LENGTH
 DEFAULT_MAX_SERIES = 4096
 
 # Source-health series a target exports whatever its payload (states, counters, age...).

@@ -32,8 +32,8 @@ import msgspec
 SCHEMA_MAJOR = 1
 # 1.1: token-unit prefix counters, oldest deferral, kvcached pages; 1.2: virtual_blocks,
 # protected_blocks (virtual_* = the reservation, as in kvcached); 1.3: runtime instance and
-# distinct deferred requests
-SCHEMA_MINOR = 3
+# distinct deferred requests; 1.4: the contract made exact (schema.md, Changelog)
+SCHEMA_MINOR = 4
 SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 ROLES = ("prefill", "decode", "both")
@@ -162,6 +162,9 @@ class Snapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
 # range makes the snapshot Corrupt. Any other field of the wrong type or out of range
 # is *rejected*: read as null (as if unsupported) and counted; the rest is served.
 INT_LIMIT = 2**63
+# Label values (every str field a reader turns into a label) longer than this are over a
+# default daemon's budget (--max-label-length): the agent never publishes one.
+MAX_LABEL_LENGTH = 256
 IDENTITY_FIELDS = frozenset(
     {"pid", "dp_rank", "dp_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "group_id"}
 )

@@ -126,3 +126,39 @@ def test_default_heartbeat_keeps_an_idle_rank_fresh(shm_dir: str) -> None:
     time.sleep(3 * DEFAULT_HEARTBEAT_INTERVAL)
     assert read_segment(off.segment_name, shm_dir=shm_dir).heartbeat_mono_ns == before
     off.close()
+
+
+def test_pool_publishes_both_prefix_units_and_their_ratios_differ() -> None:
+    """schema.md: block counters stop at the first miss, token counters count the whole
+    prompt; our pool publishes both, and one prompt shows they are not one ratio."""
+    pool = _pool(64)
+    first = list(range(80))  # 20 full blocks of 4
+    pool.allocate_prompt("a", first)
+    pool.allocate_prompt("b", first[:20] + [999] * 60)  # 5 blocks hit, then a miss
+    s = pool.snapshot()
+    # a: one block looked up (a miss); b: 5 hits and the miss that stopped the lookup.
+    assert (s.prefix_queries_total, s.prefix_hits_total) == (7, 5)
+    assert (s.prefix_query_tokens_total, s.prefix_hit_tokens_total) == (160, 20)
+    assert 5 / 7 != 20 / 160  # the block ratio is not the token ratio
+
+
+def test_a_writer_keeps_within_a_default_daemons_label_budget(shm_dir: str) -> None:
+    """segment-format.md section 8: a long pool name is refused at registration (with the
+    fix), a long model name is shortened; a default daemon serves the rank."""
+    from kvsidecar.daemon.targets import TargetSet
+    from kvsidecar.protocol.schema import MAX_LABEL_LENGTH
+
+    long = "m" * 300
+    agent = KVSidecarAgent("t", long, shm_dir=shm_dir, device="cpu", heartbeat_interval=0)
+    try:
+        assert agent.register_pool(_pool(pool_name="p" * (MAX_LABEL_LENGTH + 1))) is False
+        assert agent.register_pool(_pool(pool_name="p" * MAX_LABEL_LENGTH)) is True
+        agent.step()
+        targets = TargetSet(shm_dir, names=[agent.segment_name], stale_after=3600)
+        targets.poll_all()
+        view = targets.targets[agent.segment_name].view
+        targets.stop()
+        assert view.state == "up", view.error
+        assert view.last.snapshot.runtime.model_name == long[:MAX_LABEL_LENGTH]
+    finally:
+        agent.close()

@@ -89,6 +89,8 @@ class Model:
     failures: int = 0
     queries: int = 0
     hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
 
     def allocated(self) -> int:
         return len(self.refs) + len(self.reserve)
@@ -229,6 +231,9 @@ class PoolMachine(RuleBasedStateMachine):
             hit_ids.append(m.h2b[h])
         m.queries += len(hit_ids) + (len(hit_ids) < len(hashes))
         m.hits += len(hit_ids)
+        if self.caching:
+            m.query_tokens += len(tokens)
+            m.hit_tokens += len(hit_ids) * bs
         revive = [b for b in hit_ids if b not in m.refs]
         nblocks = -(-len(tokens) // bs)
         need = nblocks - len(hit_ids)
@@ -554,6 +559,8 @@ class PoolMachine(RuleBasedStateMachine):
             alloc_failures_total=m.failures,
             prefix_queries_total=m.queries,
             prefix_hits_total=m.hits,
+            prefix_query_tokens_total=m.query_tokens,
+            prefix_hit_tokens_total=m.hit_tokens,
             null_block_reserved=True,
         )
 
