@@ -13,8 +13,9 @@ from agent import KVSidecarAgent
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import layout, names
 from kvsidecar.protocol.reader import Stale, WriterDead, read_segment
-from kvsidecar.protocol.schema import Capabilities, KVCachePoolSnapshot, current_capabilities
+from kvsidecar.protocol.schema import Capabilities, current_capabilities
 from kvsidecar.protocol.writer import SegmentError, SegmentWriter
+from tests.agent.test_agent_contract import _FlakySource
 from tests.faults.writers import _fork
 
 from ..protocol_helpers import sample_snapshot
@@ -73,23 +74,11 @@ def test_name_pattern_matches_the_whole_name() -> None:
             names.validate_name(bad)
 
 
-class _Flaky:
-    """A pool source that works, then raises on every snapshot (a broken adapter)."""
-
-    def __init__(self) -> None:
-        self.broken = False
-
-    def snapshot(self) -> KVCachePoolSnapshot:
-        if self.broken:
-            raise RuntimeError("adapter broke")
-        return KVCachePoolSnapshot(pool_name="flaky", total_blocks=10)
-
-
 def test_an_engine_stepping_with_every_publish_failing_is_not_called_hung(shm_dir: str) -> None:
     """Section 2: last_publish_error_mono_ns newer than the heartbeat = failing right now.
     The heartbeat moves only on successful publishes, so the segment goes stale; the
     verdict must say the publishes fail, not that the engine hung."""
-    source = _Flaky()
+    source = _FlakySource()
     # No idle heartbeat: this test ages the segment on purpose.
     agent = KVSidecarAgent("test", shm_dir=shm_dir, segment_name=NAME, heartbeat_interval=0)
     try:
