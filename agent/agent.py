@@ -50,7 +50,13 @@ from kvsidecar.agent.adapters import PoolSource
 from kvsidecar.agent.pool import DeferredRequests, DeviceMemorySampler, default_device
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR, default_segment_name
-from kvsidecar.protocol.schema import ROLES, KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
+from kvsidecar.protocol.schema import (
+    MAX_LABEL_LENGTH,
+    ROLES,
+    KVCachePoolSnapshot,
+    RuntimeSnapshot,
+    Snapshot,
+)
 from kvsidecar.protocol.writer import SegmentWriter
 
 log = logging.getLogger("kvsidecar.agent")
@@ -58,6 +64,10 @@ log = logging.getLogger("kvsidecar.agent")
 
 # An argument with no environment twin (read from an empty mapping).
 _HEARTBEAT_ARG = settings.Setting("HEARTBEAT_INTERVAL", "float", None, "argument only", ())
+# On by default (0 turns it off): an idle rank is up, and its deferral age stays served
+# while a P/D transfer is stuck. Liveness is the writer lock, not the age; a hung engine
+# shows as a step counter that stops (segment-format.md section 6).
+DEFAULT_HEARTBEAT_INTERVAL = 1.0
 
 _MAX_COUNT = 2**63 - 1  # the largest count a reader accepts (a signed 64-bit integer)
 
@@ -82,6 +92,20 @@ def _count(value: object) -> int:
 
 def _text(value: object) -> str:
     return os.fspath(value) if isinstance(value, os.PathLike) else str(value)  # type: ignore[return-value]
+
+
+def _label(value: object) -> str:
+    """A label value within a default daemon's budget (segment-format.md section 8)."""
+    text = _text(value)
+    if len(text) > MAX_LABEL_LENGTH:
+        log.warning(
+            "kvsidecar: %r is %d characters; published as its first %d (daemon label budget)",
+            text[:40] + "...",
+            len(text),
+            MAX_LABEL_LENGTH,
+        )
+        return text[:MAX_LABEL_LENGTH]
+    return text
 
 
 def _default_instance() -> str:
@@ -151,7 +175,7 @@ class KVSidecarAgent:
         self.error: str | None = None
         self._writer: SegmentWriter | None = None
         self._sources: list[PoolSource] = []
-        self._renamed: list[tuple[int, str]] = []  # (pool index, published pool_name)
+        self._renamed: list[tuple[int, str, str]] = []  # (pool index, alias, own name)
         self._untracked: list[int] = []  # pools that report counts but not request ids
         self._tracked: list[bool] = []  # source reports its deferred ids to _deferred
         self._deferred = DeferredRequests()
@@ -188,9 +212,9 @@ class KVSidecarAgent:
             log.warning("kvsidecar: role %r is not one of %s; using 'both'", role, ROLES)
             role = "both"
         r = self.runtime
-        r.engine = engine
-        r.engine_version = _setting(engine_version, env, settings.ENGINE_VERSION)
-        r.model_name = _setting(model_name, env, settings.MODEL_NAME)
+        r.engine = _label(engine)
+        r.engine_version = _label(_setting(engine_version, env, settings.ENGINE_VERSION))
+        r.model_name = _label(_setting(model_name, env, settings.MODEL_NAME))
         r.role = role
         r.dp_rank = _setting(dp_rank, env, settings.DP_RANK, cast=_int_env)
         r.dp_size = _setting(dp_size, env, settings.DP_SIZE, cast=_int_env)
@@ -200,11 +224,11 @@ class KVSidecarAgent:
         r.pp_size = _setting(pp_size, env, settings.PP_SIZE, cast=_int_env)
         r.instance = _setting(instance, env, settings.INSTANCE) or _default_instance()
         try:
-            r.device = _text(device or default_device())
+            r.device = _label(device or default_device())
             self._memory = DeviceMemorySampler(r.device)
         except Exception as e:  # an unknown device: publish without device memory
             log.warning("kvsidecar: device %r not usable (%s); no device memory", device, e)
-            r.device = _text(device)
+            r.device = _label(device)
         self.shm_dir = _setting(shm_dir, env, settings.SHM_DIR)
         self.segment_name = _setting(
             segment_name,
@@ -218,7 +242,9 @@ class KVSidecarAgent:
         self.enabled = (not disabled) if enabled is None else bool(enabled)
         if self.enabled:
             self._open(_setting(group, env, settings.GROUP, cast=lambda g: g))
-        interval = _setting(heartbeat_interval, {}, _HEARTBEAT_ARG, cast=float)
+        interval = _setting(
+            heartbeat_interval, {}, _HEARTBEAT_ARG, DEFAULT_HEARTBEAT_INTERVAL, cast=float
+        )
         if interval and interval > 0 and self._writer is not None:
             self._start_heartbeat(interval)
 
@@ -250,13 +276,19 @@ class KVSidecarAgent:
             if not isinstance(record, KVCachePoolSnapshot):
                 raise TypeError(f"snapshot() returned {type(record).__name__}")
             alias = self._free_name(record)
+            published = alias or record.pool_name
+            if not isinstance(published, str) or len(published) > MAX_LABEL_LENGTH:
+                raise ValueError(
+                    f"pool_name {str(published)[:40]!r}... is over {MAX_LABEL_LENGTH} "
+                    "characters (a default daemon's label budget): give it a shorter name"
+                )
             track = getattr(source, "track_deferred", None)
             tracked = callable(track)
             if tracked:
                 track(self._deferred)
         except Exception as e:
             log.warning(
-                "kvsidecar: refusing to publish %r: not a pool source (%s: %s)",
+                "kvsidecar: refusing to publish %r (%s: %s)",
                 source,
                 type(e).__name__,
                 e,
@@ -264,8 +296,9 @@ class KVSidecarAgent:
             return False
         index = len(self._sources)
         if alias is not None:
-            record.pool_name = alias
-            self._renamed.append((index, alias))
+            # Applied to the record only while it is published (step), then given back:
+            # the record belongs to the source, which must not keep the agent's alias.
+            self._renamed.append((index, alias, record.pool_name))
         if not tracked:
             self._untracked.append(index)
         self._sources.append(source)
@@ -275,7 +308,10 @@ class KVSidecarAgent:
 
     def _free_name(self, record: KVCachePoolSnapshot) -> str | None:
         """None if the record's (pool_name, group_id) is free, else the first free alias."""
-        taken = {(p.pool_name, p.group_id) for p in self._snapshot.pools}
+        aliases = {i: alias for i, alias, _ in self._renamed}
+        taken = {
+            (aliases.get(i, p.pool_name), p.group_id) for i, p in enumerate(self._snapshot.pools)
+        }
         name, group = record.pool_name, record.group_id
         if (name, group) not in taken:
             return None
@@ -328,7 +364,7 @@ class KVSidecarAgent:
                     most = n
                 i += 1
             if self._renamed:
-                for i, alias in self._renamed:
+                for i, alias, _ in self._renamed:
                     pools[i].pool_name = alias
             code = layout.PUBLISH_ERR_ARGUMENT
             # The usual case (a plain int in range) costs two comparisons.
@@ -373,26 +409,25 @@ class KVSidecarAgent:
                     f"{code}:{type(e).__name__}",
                     f"kvsidecar publish failed (engine unaffected): {type(e).__name__}: {e}",
                 )
+        if self._renamed:
+            pools = self._snapshot.pools
+            for i, _, name in self._renamed:  # the sources' own names back (register_pool)
+                pools[i].pool_name = name
         self._last_step_ns = t0  # for the idle heartbeat: no extra clock read per step
         self.runtime.last_publish_duration_ns = time.perf_counter_ns() - t0
 
     def _distinct_without_ids(self, pools: list[KVCachePoolSnapshot]) -> int | None:
         """Distinct deferred requests when some pools give counts but no ids (adapters):
         exact only if that is a single pool and no pool with ids defers anything."""
+        # Only sources that defer something now matter: a pool deferring nothing (0) adds
+        # no request, whether or not it reports ids.
         counts = [
-            pools[i].deferred_free_requests
-            for i in self._untracked
-            if pools[i].deferred_free_requests is not None
+            n for i in self._untracked if (n := pools[i].deferred_free_requests) is not None and n
         ]
-        tracked_report = any(
-            p.deferred_free_requests is not None
-            for i, p in enumerate(pools)
-            if i not in self._untracked
-        )
-        if len(counts) == 1 and not tracked_report:
-            return counts[0]
         if not counts:
             return len(self._deferred_ids)
+        if len(counts) == 1 and not self._deferred_ids:
+            return counts[0]
         return None
 
     def heartbeat(self) -> None:
@@ -405,7 +440,7 @@ class KVSidecarAgent:
 
     def _start_heartbeat(self, interval: float) -> None:
         # Only refreshes when no step happened for `interval`: an idle engine stays fresh.
-        # Note it also keeps a *hung* engine fresh; leave it off to detect hangs by age.
+        # It also keeps a *hung* engine fresh: pass 0 to detect hangs by age instead.
         def run() -> None:
             while not self._heartbeat_stop.wait(interval):
                 if time.perf_counter_ns() - self._last_step_ns >= interval * 1e9:

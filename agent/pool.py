@@ -21,7 +21,8 @@ Counter definitions (``pool.stats``), all in blocks unless named ``*_bytes``:
 * ``available_blocks``: ``reserved + max(0, cap - allocated)`` where ``cap`` is
   ``total_blocks``, or ``shrink_target_blocks`` while ``in_shrink``. Outside a shrink this
   is free + cached + reserved; during a shrink the capacity above the target is excluded.
-* ``deferred_free_requests``: finished/aborted requests waiting on >= 1 connector.
+* ``deferred_free_requests``: finished/aborted requests waiting on >= 1 connector and
+  holding >= 1 block of this pool (one holding none is deferred but not counted).
 * ``deferred_free_blocks``: distinct blocks in those requests' tables (shared prefix blocks
   counted once, even if a live request shares them too). Leases are not deferred.
 * ``oldest_deferred_free_mono_ns``: CLOCK_MONOTONIC when the oldest still-deferred request
@@ -38,6 +39,8 @@ Counter definitions (``pool.stats``), all in blocks unless named ``*_bytes``:
   `append_slots`, `alloc_blocks`, `try_to_reserve`); one per call, not per block.
 * ``prefix_queries_total``: full prompt blocks looked up; the lookup stops at the first
   miss, which is counted. ``prefix_hits_total``: of which found.
+* ``prefix_query_tokens_total``: prompt tokens looked up (every token of the prompt, vLLM's
+  unit); ``prefix_hit_tokens_total``: tokens in the blocks found. The two ratios differ.
 * ``block_size_bytes``: block_size x kv_heads x head_dim x itemsize (one layer, one buffer).
   ``*_bytes`` = blocks x block_size_bytes x num_layers x num_kv_buffers.
 * ``virtual_blocks``: the storage rows, null block included (this pool's reservation,
@@ -241,6 +244,8 @@ class KVBlockPool:
             alloc_failures_total=0,
             prefix_queries_total=0,
             prefix_hits_total=0,
+            prefix_query_tokens_total=0,
+            prefix_hit_tokens_total=0,
         )
         self._publish_geometry()
         self._publish()
@@ -589,6 +594,9 @@ class KVBlockPool:
         if req_id in self._requests:
             raise ValueError(f"request {req_id!r} already exists")
         tokens = as_int_list(token_ids)
+        if not all(type(t) is int for t in tokens):
+            # The same rule as append_slots: integers only (float, str, None refused).
+            tokens = [_integer(t, "a token id") for t in tokens]
         n = len(tokens)
         bs = self.block_size
         nblocks = -(-n // bs)
@@ -612,6 +620,9 @@ class KVBlockPool:
             hits = len(table)
             self.stats.prefix_queries_total += hits + (hits < len(hashes))
             self.stats.prefix_hits_total += hits
+            # vLLM's token unit: the whole prompt looked up, the cached tokens found.
+            self.stats.prefix_query_tokens_total += n
+            self.stats.prefix_hit_tokens_total += hits * bs
         hits = len(table)
         need = nblocks - hits
         if not self._fits(need, revive):
@@ -718,6 +729,11 @@ class KVBlockPool:
         connector (e.g. "pd", "offload") calls `release`. Returns True if deferred."""
         req = self._live(req_id)
         pending = {connectors} if isinstance(connectors, str) else set(connectors)
+        if pending and not req.table:
+            # Holds no block of this pool: deferred for its connectors, but not counted
+            # (schema.md: deferral fields count requests holding blocks of the pool).
+            req.pending = pending
+            return True
         if pending:
             req.pending = pending
             holders = self._deferred_holders
@@ -752,6 +768,9 @@ class KVBlockPool:
         req.pending.remove(connector)  # KeyError: not pending on this connector
         if req.pending:
             return False
+        if not req.table:
+            del self._requests[req_id]
+            return True
         holders = self._deferred_holders
         removed = 0
         for b in req.table:

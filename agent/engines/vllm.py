@@ -503,7 +503,8 @@ class VllmPoolSource:
     Definitions (checked against a brute-force recount over ``BlockPool.blocks`` and
     ``Scheduler.requests`` after every step by tests/engines/test_vllm_accounting.py):
 
-    * total = ``num_gpu_blocks - 1`` (the null block is never handed out);
+    * total = ``num_gpu_blocks - 1`` (the null block is never handed out); virtual_blocks
+      = ``num_gpu_blocks`` (the storage, null block included, as for every source);
       available = ``free_block_queue.num_free_blocks`` (free + evictable cached);
       allocated = total - available (= non-null blocks with ``ref_cnt > 0``), so
       allocated/total is ``vllm:kv_cache_usage_perc``.
@@ -552,8 +553,11 @@ class VllmPoolSource:
             block_size_tokens=int(getattr(spec, "block_size", 0) or 0),
             block_size_bytes=block_bytes,
             total_blocks=total,
-            virtual_per_layer_bytes=total * block_bytes * buffers,
-            virtual_total_bytes=total * block_bytes * buffers * num_layers,
+            # virtual_* is the storage (schema.md): every block of the pool, null included,
+            # the same blocks the KV tensors back (mapped_bytes), never the capacity.
+            virtual_blocks=total + 1,
+            virtual_per_layer_bytes=(total + 1) * block_bytes * buffers,
+            virtual_total_bytes=(total + 1) * block_bytes * buffers * num_layers,
             mapped_bytes=mapped_bytes,
             null_block_reserved=True,
             cached_blocks=0,

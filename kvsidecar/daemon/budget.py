@@ -22,23 +22,29 @@ unsupported) and counted, so both exposition formats always parse.
 from __future__ import annotations
 
 import math
-import struct
+import typing
 from dataclasses import dataclass
 
 import msgspec
 
 from kvsidecar.daemon import metric_defs as md
-from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
+from kvsidecar.protocol.reader import array_len
+from kvsidecar.protocol.schema import (
+    IDENTITY_FIELDS,
+    INT_LIMIT,
+    MAX_LABEL_LENGTH,
+    KVCachePoolSnapshot,
+    RuntimeSnapshot,
+    Snapshot,
+)
 
 DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024  # 64x the agent's default slot
 DEFAULT_MAX_POOLS = 64
-DEFAULT_MAX_LABEL_LENGTH = 256
+DEFAULT_MAX_LABEL_LENGTH = MAX_LABEL_LENGTH
 DEFAULT_MAX_SERIES = 4096
 
 # Source-health series a target exports whatever its payload (states, counters, age...).
 HEALTH_SERIES = len(md.SOURCE) + 8
-
-INT_LIMIT = 2**63  # Prometheus and most consumers are int64/float64 underneath
 
 
 @dataclass(frozen=True)
@@ -72,20 +78,6 @@ _OUTLINE = msgspec.msgpack.Decoder(_Outline)
 _FULL = msgspec.msgpack.Decoder(Snapshot)
 
 
-def _array_len(raw: bytes | memoryview) -> int | None:
-    """Element count of a msgpack array from its header; None if it is not an array."""
-    if not raw:
-        return None
-    b = raw[0]
-    if 0x90 <= b <= 0x9F:
-        return b & 0x0F
-    if b == 0xDC and len(raw) >= 3:
-        return struct.unpack_from(">H", raw, 1)[0]
-    if b == 0xDD and len(raw) >= 5:
-        return struct.unpack_from(">I", raw, 1)[0]
-    return None
-
-
 class BoundedSnapshotDecoder:
     """Drop-in for ``msgspec.msgpack.Decoder(Snapshot)`` that refuses too many pools
     before building any record (raises `OverBudget`; msgspec errors as usual)."""
@@ -94,7 +86,7 @@ class BoundedSnapshotDecoder:
         self.max_pools = max_pools
 
     def decode(self, payload: bytes | memoryview) -> Snapshot:
-        n = _array_len(memoryview(_OUTLINE.decode(payload).pools)[:5])
+        n = array_len(memoryview(_OUTLINE.decode(payload).pools)[:5])
         if n is not None and n > self.max_pools:
             raise OverBudget("pools", f"{n} pools per rank > --max-pools-per-rank {self.max_pools}")
         return _FULL.decode(payload)
@@ -145,15 +137,34 @@ def check(snapshot: Snapshot, budget: Budget) -> None:
 # -- value validation ----------------------------------------------------------
 
 
-def _value_fields(defs: tuple[md.MetricDef, ...], record: type[msgspec.Struct]) -> tuple[str, ...]:
-    names = set(record.__struct_fields__)
-    return tuple(m.field for m in defs if m.field in names)
+def _fields(record: type[msgspec.Struct], identity: bool) -> tuple[str, ...]:
+    hints = typing.get_type_hints(record)
+    return tuple(
+        f
+        for f in record.__struct_fields__
+        if hints[f] not in (str, str | None) and (f in IDENTITY_FIELDS) == identity
+    )
 
 
-# Every field exported as a value or used in a derived one (labels are strings or
-# small ints rendered as text and cannot break the exposition).
-RUNTIME_VALUE_FIELDS = _value_fields(md.RUNTIME, RuntimeSnapshot)
-POOL_VALUE_FIELDS = _value_fields((*md.POOL, *md.POOL_DERIVED), KVCachePoolSnapshot)
+# Every number or flag that is not an identity field (schema.md, "Values"): one out of
+# range is dropped alone. Identity numbers (ranks, sizes, pid, group_id) are labels: one
+# out of range makes the snapshot unidentifiable (`identity_error`).
+RUNTIME_VALUE_FIELDS = _fields(RuntimeSnapshot, identity=False)
+POOL_VALUE_FIELDS = _fields(KVCachePoolSnapshot, identity=False)
+_RUNTIME_IDENTITY = _fields(RuntimeSnapshot, identity=True)
+_POOL_IDENTITY = _fields(KVCachePoolSnapshot, identity=True)
+
+
+def identity_error(snapshot: Snapshot) -> str | None:
+    """The first identity field out of [0, 2^63), as "runtime.<f> = <v>", else None."""
+    records = [("runtime.", snapshot.runtime, _RUNTIME_IDENTITY)]
+    records += [("pool.", p, _POOL_IDENTITY) for p in snapshot.pools]
+    for prefix, record, fields in records:
+        for f in fields:
+            v = getattr(record, f)
+            if not 0 <= v < INT_LIMIT:
+                return f"{prefix}{f} = {v} is out of range [0, 2^63)"
+    return None
 
 
 def valid_value(value: object) -> bool:

@@ -628,9 +628,9 @@ SOURCE: tuple[MetricDef, ...] = (
         "kvsidecar_source_rejected_values_total",
         COUNTER,
         "values",
-        "Out-of-range values dropped from snapshots (negative, NaN/Inf or >= 2^63), by "
-        "field (label field, e.g. pool.allocated_blocks), once per snapshot; the series "
-        "is omitted as if unsupported.",
+        "Values dropped from snapshots (of the wrong type, null in a non-null field, "
+        "negative, NaN/Inf or >= 2^63: schema.md, Values), by field (label field, e.g. "
+        "pool.allocated_blocks), once per snapshot; the series is omitted as if unsupported.",
     ),
     MetricDef(
         "kvsidecar_source_duplicate_pools",

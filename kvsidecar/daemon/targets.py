@@ -25,11 +25,25 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from kvsidecar.daemon.budget import BoundedSnapshotDecoder, Budget, OverBudget, check, sanitize
+from kvsidecar.daemon.budget import (
+    BoundedSnapshotDecoder,
+    Budget,
+    OverBudget,
+    check,
+    identity_error,
+    sanitize,
+)
 from kvsidecar.discovery import scan_segments
 from kvsidecar.protocol import _seqlock, layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR
-from kvsidecar.protocol.reader import Corrupt, ReadError, Reading, SegmentReader
+from kvsidecar.protocol.reader import (
+    Corrupt,
+    ReadError,
+    Reading,
+    SegmentReader,
+    dead_message,
+    stale_message,
+)
 
 UP, STALE, DEAD, CORRUPT, NOT_READY, REFUSED = (
     "up",
@@ -91,6 +105,7 @@ class TargetView:
 
 
 CLOSED_KIND = "closed"  # error_kind of a target whose writer closed it cleanly
+PUBLISH_FAILING_KIND = "publish_failing"  # error_kind of a stale target failing to publish
 
 
 def _closed(reader: SegmentReader) -> bool:
@@ -157,7 +172,7 @@ class Target:
             return replace(
                 v,
                 state=DEAD,
-                error=f"segment {self.name}: closed cleanly by its writer (engine shut down)",
+                error=dead_message(self.name, closed=True),
                 error_kind=CLOSED_KIND,
                 last_poll_mono_ns=now,
             )
@@ -193,7 +208,12 @@ class Target:
                 check(result.snapshot, self.budget)
             except OverBudget as e:
                 return self._over_budget(v, e, now)
+            wrong = identity_error(result.snapshot)
+            if wrong is not None:
+                return self._failed(v, Corrupt(f"segment {self.name}: {wrong}"), now)
             snapshot, rejected = sanitize(result.snapshot)
+            for f in result.rejected:  # wrong types, already None from the reader
+                rejected[f] = rejected.get(f, 0) + 1
             if rejected:
                 result = msgspec.structs.replace(result, snapshot=snapshot)  # a Struct
             self._checked = key
@@ -201,14 +221,15 @@ class Target:
         if self._incarnation and result.incarnation != self._incarnation:
             restarts += 1
         self._incarnation = result.incarnation
+        kind = ""
         if not reader.writer_alive():
-            state, error = DEAD, f"segment {self.name}: writer is gone (no process holds its lock)"
+            closed = _closed(reader)
+            state, error = DEAD, dead_message(self.name, closed)
+            kind = CLOSED_KIND if closed else ""
         elif result.age_seconds(now) > self.stale_after:
             state = STALE
-            error = (
-                f"segment {self.name}: heartbeat {result.age_seconds(now):.1f}s old "
-                f"(> {self.stale_after}s): engine hung or stopped"
-            )
+            error = stale_message(self.name, result, result.age_seconds(now), self.stale_after)
+            kind = PUBLISH_FAILING_KIND if result.publish_failing else ""
         else:
             state, error = UP, ""
         values = v.rejected_values_total
@@ -220,7 +241,7 @@ class Target:
             v,
             state=state,
             error=error,
-            error_kind="",
+            error_kind=kind,
             last=result,
             last_poll_mono_ns=now,
             writer_restarts_total=restarts,

@@ -18,16 +18,22 @@ import os
 import stat
 import struct
 import time
+import typing
 
 import msgspec
 
 from kvsidecar.protocol import _seqlock, layout, liveness
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR, InvalidName, segment_path
 from kvsidecar.protocol.schema import (
+    IDENTITY_FIELDS,
     SCHEMA_MAJOR,
     Capabilities,
+    KVCachePoolSnapshot,
+    RuntimeSnapshot,
     Snapshot,
     decode_capabilities,
+    directory_version,
+    field_order_error,
 )
 
 DEFAULT_RETRIES = 8
@@ -130,6 +136,14 @@ class Reading(msgspec.Struct, frozen=True):
     publish_errors_total: int = 0
     last_publish_error: str = "none"
     last_publish_error_mono_ns: int = 0
+    # Fields ("runtime.<f>" / "pool.<f>") whose value had the wrong type: read as None.
+    rejected: tuple[str, ...] = ()
+
+    @property
+    def publish_failing(self) -> bool:
+        """The last failed publish is newer than the last heartbeat: the writer is failing
+        right now (it steps, but cannot publish), not hung (segment-format.md section 2)."""
+        return self.last_publish_error_mono_ns > self.heartbeat_mono_ns
 
     def age_seconds(self, now_mono_ns: int | None = None) -> float:
         now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
@@ -261,9 +275,20 @@ class SegmentReader:
             return check_header(layout.Header(raw), len(mm), self.path) or Corrupt(
                 f"segment {self.path}: header changed under the reader"
             )
+        n = array_len(payload)
+        if n is None or n < 2:
+            # One msgpack array [runtime, pools, ...]: `[runtime]` alone is not a snapshot.
+            return Corrupt(f"segment {self.path}: payload is not a [runtime, pools] array")
+        rejected: tuple[str, ...] = ()
         try:
             snapshot = self._decoder.decode(payload)
-        except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        except msgspec.ValidationError:
+            # A value of the wrong type: only that value is rejected (schema.md, "Values").
+            lenient = decode_lenient(payload)
+            if isinstance(lenient, str):
+                return Corrupt(f"segment {self.path}: payload does not decode ({lenient})")
+            snapshot, rejected = lenient
+        except msgspec.DecodeError as e:
             return Corrupt(f"segment {self.path}: payload does not decode ({_one_line(e)})")
         return Reading(
             snapshot=snapshot,
@@ -279,6 +304,7 @@ class SegmentReader:
             publish_errors_total=errors,
             last_publish_error=_error_name(last_error),
             last_publish_error_mono_ns=last_error_mono,
+            rejected=rejected,
         )
 
     # -- liveness ----------------------------------------------------------------
@@ -316,6 +342,63 @@ class SegmentReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def array_len(raw: bytes | memoryview) -> int | None:
+    """Element count of a msgpack array from its header; None if it is not an array."""
+    if not raw:
+        return None
+    b = raw[0]
+    if 0x90 <= b <= 0x9F:
+        return b & 0x0F
+    if b == 0xDC and len(raw) >= 3:
+        return int.from_bytes(raw[1:3], "big")
+    if b == 0xDD and len(raw) >= 5:
+        return int.from_bytes(raw[1:5], "big")
+    return None
+
+
+_HINTS = {rec: typing.get_type_hints(rec) for rec in (RuntimeSnapshot, KVCachePoolSnapshot)}
+
+
+def _lenient_record(
+    record: type[msgspec.Struct], values: object, prefix: str, rejected: list[str]
+) -> msgspec.Struct | str:
+    if not isinstance(values, list):
+        return f"a {prefix.rstrip('.')} record is {type(values).__name__}, not an array"
+    hints = _HINTS[record]
+    kwargs = {}
+    for name, value in zip(record.__struct_fields__, values):
+        try:
+            kwargs[name] = msgspec.convert(value, hints[name])
+        except msgspec.ValidationError:
+            if name in IDENTITY_FIELDS or hints[name] in (str, str | None):
+                return f"{prefix}{name} is {type(value).__name__}, not {hints[name]}"
+            kwargs[name] = None
+            rejected.append(prefix + name)
+    return record(**kwargs)
+
+
+def decode_lenient(payload: bytes | memoryview) -> tuple[Snapshot, tuple[str, ...]] | str:
+    """Decode a payload whose typed decode failed: each value of the wrong type becomes
+    None and is named in the tuple; a wrong structure or identity field is the error."""
+    try:
+        obj = msgspec.msgpack.decode(payload)
+    except msgspec.DecodeError as e:
+        return _one_line(e)
+    if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
+        return "not a [runtime, pools] array"
+    rejected: list[str] = []
+    runtime = _lenient_record(RuntimeSnapshot, obj[0], "runtime.", rejected)
+    if isinstance(runtime, str):
+        return runtime
+    pools = []
+    for values in obj[1]:
+        pool = _lenient_record(KVCachePoolSnapshot, values, "pool.", rejected)
+        if isinstance(pool, str):
+            return pool
+        pools.append(pool)
+    return Snapshot(runtime=runtime, pools=pools), tuple(rejected)  # type: ignore[arg-type]
 
 
 def _fields_struct(fields: list[tuple[int, str]]) -> struct.Struct:
@@ -390,14 +473,19 @@ def _read_directory(
     if _seqlock.crc32(raw) != header.dir_crc:
         return None, Corrupt(f"{path}: directory CRC mismatch")
     try:
-        caps = decode_capabilities(raw)
+        major, minor = directory_version(raw)
+        if major == SCHEMA_MAJOR:
+            caps = decode_capabilities(raw)
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         return None, Corrupt(f"{path}: directory does not decode ({_one_line(e)})")
-    if caps.schema_major != SCHEMA_MAJOR:
+    if major != SCHEMA_MAJOR:
         return None, VersionMismatch(
-            f"{path} carries schema v{caps.schema_major}.{caps.schema_minor}; this daemon reads "
+            f"{path} carries schema v{major}.{minor}; this daemon reads "
             f"v{SCHEMA_MAJOR}.x: upgrade kvsidecar on the daemon side"
         )
+    wrong = field_order_error(caps)
+    if wrong is not None:
+        return None, Corrupt(f"{path}: directory {wrong} (fields reordered within a major)")
     return caps, None
 
 
@@ -454,16 +542,30 @@ def read_segment(
         result = reader.read()
         last = result if isinstance(result, Reading) else None
         if not reader.writer_alive():
-            closed = reader.header is not None and _state(reader) == layout.STATE_CLOSED
-            why = "closed" if closed else "no process holds its lock"
-            return WriterDead(f"segment {name}: writer is gone ({why})", last)
+            return WriterDead(dead_message(name, _state(reader) == layout.STATE_CLOSED), last)
         if last is not None and stale_after is not None and last.age_seconds() > stale_after:
-            return Stale(
-                f"segment {name}: heartbeat {last.age_seconds():.1f}s old (> {stale_after}s): "
-                "engine hung or stopped",
-                last,
-            )
+            return Stale(stale_message(name, last, last.age_seconds(), stale_after), last)
         return result
+
+
+def dead_message(name: str, closed: bool) -> str:
+    """No writer holds the lock: closed cleanly if the state byte says CLOSED (whether or
+    not the file is still there), else the writer died."""
+    if closed:
+        return f"segment {name}: closed cleanly by its writer (engine shut down)"
+    return f"segment {name}: writer is gone (no process holds its lock)"
+
+
+def stale_message(name: str, reading: Reading, age: float, stale_after: float) -> str:
+    """Why a live writer's heartbeat is old: failing publishes, or a hung engine."""
+    head = f"segment {name}: heartbeat {age:.1f}s old (> {stale_after}s)"
+    if reading.publish_failing:
+        return (
+            f"{head}: the engine steps but every publish fails ("
+            f"{reading.publish_errors_total} failed, last: {reading.last_publish_error}); "
+            "see the engine's log"
+        )
+    return f"{head}: engine hung or stopped"
 
 
 def _state(reader: SegmentReader) -> int:

@@ -32,7 +32,8 @@ import msgspec
 SCHEMA_MAJOR = 1
 # 1.1: token-unit prefix counters, oldest deferral, kvcached pages; 1.2: virtual_blocks,
 # protected_blocks (virtual_* = the reservation, as in kvcached); 1.3: runtime instance and
-# distinct deferred requests; 1.4: deferrals ended / ended by lease expiry, and their blocks
+# distinct deferred requests; 1.4: deferrals ended / ended by lease expiry, and their blocks;
+# the contract made exact (schema.md, Changelog)
 SCHEMA_MINOR = 4
 SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
@@ -169,6 +170,19 @@ class Snapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     pools: list[KVCachePoolSnapshot] = []
 
 
+# The value rule (schema.md, "Values"). Every number is in [0, INT_LIMIT) and finite.
+# Identity fields name a rank or a pool (label values): one of the wrong type or out of
+# range makes the snapshot Corrupt. Any other field of the wrong type or out of range
+# is *rejected*: read as null (as if unsupported) and counted; the rest is served.
+INT_LIMIT = 2**63
+# Label values (every str field a reader turns into a label) longer than this are over a
+# default daemon's budget (--max-label-length): the agent never publishes one.
+MAX_LABEL_LENGTH = 256
+IDENTITY_FIELDS = frozenset(
+    {"pid", "dp_rank", "dp_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "group_id"}
+)
+
+
 FEATURES = {
     "runtime_snapshot": True,
     "kv_cache_pool_snapshot": True,
@@ -222,7 +236,6 @@ def to_dict(record: msgspec.Struct) -> dict[str, Any]:
 
 _ENCODER = msgspec.msgpack.Encoder()
 _SNAPSHOT_DECODER = msgspec.msgpack.Decoder(Snapshot)
-_CAPS_DECODER = msgspec.msgpack.Decoder(Capabilities)
 
 
 def encode_snapshot(snapshot: Snapshot) -> bytes:
@@ -243,10 +256,64 @@ def encode_capabilities(caps: Capabilities) -> bytes:
 MAX_DIRECTORY_BYTES = 64 * 1024
 
 
-def decode_capabilities(data: bytes | memoryview) -> Capabilities:
-    """Decode a directory; raises msgspec.DecodeError / ValidationError on bad input."""
+class _WireCapabilities(msgspec.Struct):
+    # Decode-only twin of Capabilities: every key but `features` is required, so a
+    # directory without schema_major or a field list is refused, never read as major 1.
+    schema_version: str
+    schema_major: int
+    schema_minor: int
+    snapshot_fields: list[str]
+    runtime_fields: list[str]
+    pool_fields: list[str]
+    features: dict[str, bool] = {}
+
+
+_WIRE_CAPS_DECODER = msgspec.msgpack.Decoder(_WireCapabilities)
+
+
+class _Major(msgspec.Struct):
+    schema_major: int
+    schema_minor: int = 0
+
+
+_MAJOR_DECODER = msgspec.msgpack.Decoder(_Major)
+
+
+def directory_version(data: bytes | memoryview) -> tuple[int, int]:
+    """(schema_major, schema_minor) of a directory, checked before anything else in it:
+    another major may have other keys. Raises like `decode_capabilities`."""
     if len(data) > MAX_DIRECTORY_BYTES:
         raise msgspec.ValidationError(
             f"directory of {len(data)} bytes > {MAX_DIRECTORY_BYTES}: not a kvsidecar directory"
         )
-    return _CAPS_DECODER.decode(data)
+    v = _MAJOR_DECODER.decode(data)
+    return v.schema_major, v.schema_minor
+
+
+def decode_capabilities(data: bytes | memoryview) -> Capabilities:
+    """Decode a directory; raises msgspec.DecodeError / ValidationError on bad input
+    (too big, not a map, a required key missing or of the wrong type)."""
+    directory_version(data)  # the size bound first
+    wire = _WIRE_CAPS_DECODER.decode(data)
+    return Capabilities(**msgspec.structs.asdict(wire))
+
+
+def field_order_error(caps: Capabilities) -> str | None:
+    """Where the directory's names disagree with this major's positions, else None.
+
+    Readers decode by position, outside readers zip positions with the directory's
+    names: both give the same values only if every name a reader knows sits at the
+    position this major gives it. A newer minor may append names, an older one may
+    have fewer; any other difference is a reorder, which needs a new major."""
+    for key, record in (
+        ("snapshot_fields", Snapshot),
+        ("runtime_fields", RuntimeSnapshot),
+        ("pool_fields", KVCachePoolSnapshot),
+    ):
+        names, ours = getattr(caps, key), record.__struct_fields__
+        for i, (got, want) in enumerate(zip(names, ours)):
+            if got != want:
+                return f"{key}[{i}] is {got!r}, schema major {SCHEMA_MAJOR} has {want!r} there"
+    if list(caps.snapshot_fields[:2]) != ["runtime", "pools"]:
+        return "snapshot_fields must start with 'runtime', 'pools'"
+    return None

@@ -49,7 +49,13 @@ from kvsidecar.protocol.names import (
     segment_path,
     validate_name,
 )
-from kvsidecar.protocol.schema import Capabilities, Snapshot, current_capabilities
+from kvsidecar.protocol.schema import (
+    MAX_DIRECTORY_BYTES,
+    Capabilities,
+    Snapshot,
+    current_capabilities,
+    field_order_error,
+)
 from kvsidecar.settings import GROUP, SHM_DIR
 
 DEFAULT_MODE = 0o640
@@ -116,11 +122,25 @@ class SegmentWriter:
         self._mm: mmap.mmap | None = None
         self._closed = False
         self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-        self._buf = bytearray(slot_capacity)
-        self._publish = _seqlock.publish
         caps = capabilities or current_capabilities()
         directory = msgspec.msgpack.encode(caps)
         slot_off, slot_stride, total = layout.plan(len(directory), slot_capacity)
+        # Never create what every reader refuses (segment-format.md sections 1 and 4).
+        if total > layout.MAX_SEGMENT_SIZE:
+            raise SegmentError(
+                f"slot_capacity {slot_capacity} makes a {total}-byte segment > "
+                f"{layout.MAX_SEGMENT_SIZE} (the largest a reader accepts): use a smaller slot"
+            )
+        wrong = field_order_error(caps)
+        if wrong is not None:
+            raise SegmentError(f"capabilities: {wrong}: names must keep this major's order")
+        if len(directory) > MAX_DIRECTORY_BYTES:
+            raise SegmentError(
+                f"directory of {len(directory)} bytes > {MAX_DIRECTORY_BYTES}: "
+                "fewer or shorter field names"
+            )
+        self._buf = bytearray(slot_capacity)
+        self._publish = _seqlock.publish
         self.total_size = total
         self.slot_capacity = slot_capacity
         self._create(directory, slot_off, slot_stride, slot_capacity, total, group)
@@ -143,7 +163,7 @@ class SegmentWriter:
         gid = None
         if group is not None:
             try:
-                gid = group if isinstance(group, int) else grp.getgrnam(group).gr_gid
+                gid = _gid(group)
             except KeyError:
                 raise SegmentError(f"group {group!r} does not exist: fix {GROUP.name}") from None
         self._dir_fd = dir_fd = _open_dir(self.shm_dir, gid)
@@ -432,6 +452,15 @@ def _raise_foreign(full: str, dir_fd: int, path: str, e: OSError) -> None:
     if e.errno == errno.ELOOP:
         raise SegmentError(f"{full} is a symlink: refusing to follow it; remove it") from e
     raise SegmentError(f"cannot open {full}: {e.strerror}") from e
+
+
+def _gid(group: str | int) -> int:
+    """A group name, or a gid given as an int or as digits (KVSIDECAR_GROUP=2000)."""
+    if isinstance(group, int):
+        return group
+    if group.isdigit():
+        return int(group)
+    return grp.getgrnam(group).gr_gid
 
 
 def _open_dir(shm_dir: str, gid: int | None) -> int:

@@ -89,6 +89,8 @@ class Model:
     failures: int = 0
     queries: int = 0
     hits: int = 0
+    query_tokens: int = 0
+    hit_tokens: int = 0
 
     def allocated(self) -> int:
         return len(self.refs) + len(self.reserve)
@@ -229,6 +231,9 @@ class PoolMachine(RuleBasedStateMachine):
             hit_ids.append(m.h2b[h])
         m.queries += len(hit_ids) + (len(hit_ids) < len(hashes))
         m.hits += len(hit_ids)
+        if self.caching:
+            m.query_tokens += len(tokens)
+            m.hit_tokens += len(hit_ids) * bs
         revive = [b for b in hit_ids if b not in m.refs]
         nblocks = -(-len(tokens) // bs)
         need = nblocks - len(hit_ids)
@@ -544,7 +549,8 @@ class PoolMachine(RuleBasedStateMachine):
             virtual_blocks=m.rows,
             in_shrink=m.in_shrink,
             shrink_target_blocks=m.target if m.in_shrink else None,
-            deferred_free_requests=len(self._deferred()),
+            # schema.md: only deferred requests holding a block of this pool count.
+            deferred_free_requests=sum(bool(m.reqs[r].table) for r in self._deferred()),
             deferred_free_blocks=int(deferred.sum()),
             tokens_used=int(fill[held].sum()),
             allocs_total=m.allocs,
@@ -553,6 +559,8 @@ class PoolMachine(RuleBasedStateMachine):
             alloc_failures_total=m.failures,
             prefix_queries_total=m.queries,
             prefix_hits_total=m.hits,
+            prefix_query_tokens_total=m.query_tokens,
+            prefix_hit_tokens_total=m.hit_tokens,
             null_block_reserved=True,
         )
 
@@ -572,7 +580,7 @@ class PoolMachine(RuleBasedStateMachine):
         want = self.expected()
         # The oldest deferral: the earliest-deferred request still deferred (dict order is
         # deferral order in the model), its stamp within that call's clock bracket.
-        stamps = [q.deferred_at for q in m.reqs.values() if q.pending is not None]
+        stamps = [q.deferred_at for q in m.reqs.values() if q.pending is not None and q.table]
         if stamps:
             lo, hi = min(stamps)
             assert lo <= got.oldest_deferred_free_mono_ns <= hi

@@ -11,6 +11,7 @@ import signal
 import tracemalloc
 
 import msgspec
+import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
 from kvsidecar.daemon.collector import SnapshotCollector
@@ -209,11 +210,16 @@ def test_budget_flags_have_environment_twins(shm_dir: str) -> None:
         stop(pid)
 
 
-def test_huge_directory_is_refused_before_it_is_decoded(shm_dir: str) -> None:
+def test_huge_directory_is_refused_before_it_is_decoded(
+    shm_dir: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """The directory is decoded at attach: 100,000 field names would build 100,000
     objects (a 16 MiB segment could carry 16 million); it is refused as corrupt."""
+    from kvsidecar.protocol import writer
     from kvsidecar.protocol.schema import Capabilities, current_capabilities
 
+    # A hostile writer: ours refuses to create such a directory.
+    monkeypatch.setattr(writer, "MAX_DIRECTORY_BYTES", 1 << 30)
     caps = current_capabilities()
     huge = Capabilities(**{**msgspec.structs.asdict(caps), "pool_fields": [""] * 100_000})
     w = SegmentWriter(EVIL, shm_dir=shm_dir, capabilities=huge)

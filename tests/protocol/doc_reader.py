@@ -8,6 +8,7 @@ reader is wrong (tests/protocol/test_doc_reader.py).
 
 from __future__ import annotations
 
+import math
 import mmap
 import os
 import stat
@@ -19,6 +20,38 @@ from typing import Any
 import msgspec
 
 MAGIC = b"KVSCSEG1"  # section 2, offset 0
+MAX_DIRECTORY = 64 * 1024  # section 4: "at most 64 KiB"
+DIRECTORY_KEYS = {  # section 4: the required keys and their types
+    "schema_version": str,
+    "schema_major": int,
+    "schema_minor": int,
+    "snapshot_fields": list,
+    "runtime_fields": list,
+    "pool_fields": list,
+}
+INT_LIMIT = 2**63  # schema.md "Values": every number in [0, 2^63), finite
+IDENTITY = {"pid", "dp_rank", "dp_size", "tp_rank", "tp_size", "pp_rank", "pp_size", "group_id"}
+_DOCS = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
+
+
+def _schema_tables() -> dict[str, list[tuple[str, str]]]:
+    """(name, type) of each record's fields in wire order, from schema.md's tables."""
+    text = open(os.path.join(_DOCS, "schema.md")).read()
+    out: dict[str, list[tuple[str, str]]] = {}
+    for record in ("RuntimeSnapshot", "KVCachePoolSnapshot"):
+        section = text.split(f"## {record}", 1)[1].split("\n## ", 1)[0]
+        rows = []
+        for line in section.splitlines():
+            cells = [c.strip() for c in line.strip().strip("|").split("|")]
+            if len(cells) >= 2 and line.startswith("|") and cells[0] not in ("field", "---"):
+                rows += [(name.strip(), cells[1]) for name in cells[0].split(",")]
+        out[record] = rows
+    return out
+
+
+TABLES = _schema_tables()
+RUNTIME_FIELDS = [n for n, _ in TABLES["RuntimeSnapshot"]]
+POOL_FIELDS = [n for n, _ in TABLES["KVCachePoolSnapshot"]]
 LAYOUT_MAJOR = 1  # offset 8: "a reader refuses any other major"
 SCHEMA_MAJOR = 1  # section 4: "a reader refuses a different schema_major"
 RETRIES = 8  # section 3: "repeat up to N times (kvsidecar: 8)"
@@ -35,6 +68,7 @@ class DocResult:
     generation: int = 0
     incarnation: int = 0
     state: int = 0
+    rejected: list[str] = field(default_factory=list)  # "runtime.<f>" read as None
 
 
 def _unpack(data: bytes) -> Any:
@@ -92,12 +126,28 @@ def _read_mapped(mm: mmap.mmap, size: int, retries: int) -> DocResult:
     directory = mm[dir_off : dir_off + dir_len]
     if zlib.crc32(directory) != dir_crc:
         return DocResult("corrupt")
+    # Section 4: at most 64 KiB, a map; schema_major first, then the other required keys.
+    if dir_len > MAX_DIRECTORY:
+        return DocResult("corrupt")
     try:
         caps = _unpack(directory)
     except msgspec.DecodeError:
         return DocResult("corrupt")
-    if not isinstance(caps, dict) or caps.get("schema_major") != SCHEMA_MAJOR:
+    if not isinstance(caps, dict) or not _is_int(caps.get("schema_major")):
+        return DocResult("corrupt")
+    if caps["schema_major"] != SCHEMA_MAJOR:
         return DocResult("version_mismatch")
+    for key, kind in DIRECTORY_KEYS.items():
+        if not isinstance(caps.get(key), kind) or isinstance(caps[key], bool):
+            return DocResult("corrupt")
+    # Section 5: every name this reader knows sits at the position schema.md gives it.
+    for names, known in (
+        (caps["snapshot_fields"], ["runtime", "pools"]),
+        (caps["runtime_fields"], RUNTIME_FIELDS),
+        (caps["pool_fields"], POOL_FIELDS),
+    ):
+        if any(a != b for a, b in zip(names, known)) or len(caps["snapshot_fields"]) < 2:
+            return DocResult("corrupt")
     head = {"generation": u64(32), "incarnation": u64(24), "state": mm[14]}
     # Section 3: the reader side of the latch; the last attempt decides.
     last = "contended"
@@ -115,18 +165,65 @@ def _read_mapped(mm: mmap.mmap, size: int, retries: int) -> DocResult:
         if bad or slot_seq != s or zlib.crc32(payload) != crc:
             last = "corrupt"
             continue
-        # Section 5: positional [runtime, pools], zipped with the directory's names.
-        try:
-            record = _unpack(payload)
-            runtime, pools = record[0], record[1]
-            names_r, names_p = caps["runtime_fields"], caps["pool_fields"]
-            return DocResult(
-                "ok",
-                runtime=dict(zip(names_r, runtime)),
-                pools=[dict(zip(names_p, p)) for p in pools],
-                seq=s,
-                **head,
-            )
-        except (msgspec.DecodeError, TypeError, IndexError, KeyError):
-            return DocResult("corrupt", **head)
+        return _decode(payload, caps, s, head)
     return DocResult(last, **head)
+
+
+def _is_int(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _value(v: object, kind: str) -> tuple[bool, object]:
+    """schema.md "Values": (ok, value) of one field against its table type."""
+    base = kind.rstrip("?")
+    if v is None:
+        return kind.endswith("?"), None
+    if base == "str":
+        return isinstance(v, str), v
+    if base == "bool":
+        return isinstance(v, bool), v
+    if base == "int":
+        return _is_int(v) and 0 <= v < INT_LIMIT, v
+    if base == "float":
+        ok = (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v >= 0
+        return ok, float(v) if ok else v
+    return True, v
+
+
+def _record(
+    values: list, names: list[str], table: list[tuple[str, str]], prefix: str, rejected: list
+) -> dict | None:
+    """Zip positions with the directory's names; None if an identity value is wrong."""
+    kinds = dict(table)
+    out = {}
+    for name, v in zip(names, values):
+        ok, v = _value(v, kinds.get(name, ""))
+        if not ok:
+            if name in IDENTITY or kinds[name].startswith("str"):
+                return None  # "makes the snapshot Corrupt"
+            rejected.append(prefix + name)
+            v = None  # "read as null, counted, the rest served"
+        out[name] = v
+    return out
+
+
+def _decode(payload: bytes, caps: dict, s: int, head: dict) -> DocResult:
+    # Section 5: exactly one msgpack array [runtime, pools, ...], each record an array.
+    try:
+        record = _unpack(payload)
+    except msgspec.DecodeError:
+        return DocResult("corrupt", **head)
+    if not isinstance(record, list) or len(record) < 2 or not isinstance(record[1], list):
+        return DocResult("corrupt", **head)
+    runtime, pools = record[0], record[1]
+    if not isinstance(runtime, list) or not all(isinstance(p, list) for p in pools):
+        return DocResult("corrupt", **head)
+    rejected: list[str] = []
+    r = _record(runtime, caps["runtime_fields"], TABLES["RuntimeSnapshot"], "runtime.", rejected)
+    ps = [
+        _record(p, caps["pool_fields"], TABLES["KVCachePoolSnapshot"], "pool.", rejected)
+        for p in pools
+    ]
+    if r is None or any(p is None for p in ps):
+        return DocResult("corrupt", **head)
+    return DocResult("ok", runtime=r, pools=ps, seq=s, rejected=rejected, **head)  # type: ignore[arg-type]

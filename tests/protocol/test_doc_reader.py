@@ -243,3 +243,56 @@ def test_document_states_what_the_code_does() -> None:
     assert f"schema v{SCHEMA_MAJOR}.{SCHEMA_MINOR}" in title
     assert f'"schema_version": "{current_capabilities().schema_version}"' in doc
     assert f'"schema_minor": {SCHEMA_MINOR}' in doc
+
+
+def test_documents_state_each_rule_of_the_contract() -> None:
+    """Issue #22: every rule a second reader or writer needs is written down, once, where
+    it is looked for (the code that enforces each is judged by test_contract_corpus.py,
+    test_contract.py and tests/agent/test_contract_agent.py)."""
+    doc = open(os.path.join(REPO, "docs", "segment-format.md")).read()
+    schema = open(os.path.join(REPO, "docs", "schema.md")).read()
+    flat, flat_schema = " ".join(doc.split()), " ".join(schema.split())
+    # Wrong statements gone: not "all of these are Corrupt" (zero magic is NotReady,
+    # another layout major is VersionMismatch).
+    assert "all of these are `Corrupt` errors" not in flat
+    assert "all zero is `NotReady`" in flat and "another major is `VersionMismatch`" in flat
+    assert "never creates one over 16 MiB" in flat
+    assert "a numeric gid written as digits" in flat
+    # Gaps filled.
+    for rule in (
+        "The **whole** name matches",  # the pattern is anchored
+        "Only a missing *default* directory means",
+        "every *successful* publish also writes",  # the heartbeat
+        "is not the number of `step()` calls",
+        "exactly **one** msgpack array",
+        "`dir_len` is at most **64 KiB**",
+        "Required keys (else `Corrupt`)",
+        "**Names keep their positions.**",
+        "**A refused file.**",
+        "`--max-label-length` | 256 characters",
+        "`--max-pools-per-rank` | 64",
+        "`--max-series-per-target` | 4,096",
+        "`--max-payload-bytes` | 1 MiB",
+        "whether or not the file is still there",  # closed = the state byte
+        "every publish fails",
+        "**on by default**, every 1 s",
+    ):
+        assert " ".join(rule.split()) in flat, rule
+    for rule in (
+        "## Values",
+        "Every number is in **[0, 2^63)**",
+        "**Identity fields**",
+        "is **rejected**: it reads as null",
+        'One exception to "null = unsupported"',
+        "The two ratios are **not** one number",
+        "Names from kvcached #385 (v1.4 decision)",
+        "## Fields per source (v1.4)",
+        "count only requests holding a block",
+    ):
+        assert " ".join(rule.split()) in flat_schema, rule
+    assert "only when every lookup is of whole blocks" not in flat_schema
+    # The per-source table has a column for each source, ATOM's included.
+    header = next(ln for ln in schema.splitlines() if ln.startswith("| field | our pool"))
+    assert [c.strip() for c in header.strip("|").split("|")] == [
+        "field", "our pool", "vLLM", "SGLang", "kvcached", "ATOM"
+    ]  # fmt: skip

@@ -116,7 +116,10 @@ def main() -> int:
         "block_size_tokens": BLOCK,
         "block_size_bytes": block_bytes,
         "total_blocks": NUM_GPU_BLOCKS - 1,
-        "virtual_per_layer_bytes": (NUM_GPU_BLOCKS - 1) * block_bytes * 2,
+        # The storage, null block included (schema.md), not the capacity.
+        "virtual_blocks": NUM_GPU_BLOCKS,
+        "virtual_per_layer_bytes": NUM_GPU_BLOCKS * block_bytes * 2,
+        "virtual_total_bytes": NUM_GPU_BLOCKS * block_bytes * 2 * cfg["num_hidden_layers"],
         "tokens_used": None,  # not exact in O(1) for vLLM: unsupported, not a fake 0
         "prefix_queries_total": None,  # vLLM counts tokens, not blocks
         "prefix_hits_total": None,
@@ -191,6 +194,12 @@ def main() -> int:
         for k, v in want.items():
             if not k.startswith("_") and got.get(k) != v:
                 mismatches.append(f"{where}: {k} published {got.get(k)!r}, recount {v!r}")
+        # schema.md: mapped_bytes never exceeds the reservation (here they are one storage).
+        if p.mapped_bytes != p.virtual_total_bytes:
+            mismatches.append(
+                f"{where}: mapped_bytes {p.mapped_bytes} != virtual_total_bytes "
+                f"{p.virtual_total_bytes}"
+            )
         # The oldest deferral: 0 when none, else inside the oldest request's window.
         oldest = p.oldest_deferred_free_mono_ns
         wins = [deferred_window[i] for i in want["_deferred_ids"] if i in deferred_window]
