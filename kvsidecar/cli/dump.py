@@ -44,6 +44,7 @@ def _targets(
     pattern: str | None,
     stale_after: float,
     allowed: frozenset[int] | None,
+    report_refused: bool = True,
 ) -> TargetSet:
     from kvsidecar.daemon.targets import TargetSet
 
@@ -54,9 +55,10 @@ def _targets(
         pattern=pattern,
         stale_after=stale_after,
         allowed_uids=allowed,
+        summary_interval=float("inf"),
     )
     ts.poll_all()
-    for name, why in sorted(ts.refused.items()):
+    for name, why in sorted(ts.refused.items()) if report_refused else ():
         click.echo(f"kvsidecar: refused {printable(name)}: {printable(why)}", err=True)
     return ts
 
@@ -266,18 +268,25 @@ def ls(
     allow_uids: tuple[int, ...],
     allow_any_uid: bool,
 ) -> None:
-    """List segments with their state, age and size."""
-    ts = _targets(shm_dir, prefix, None, stale_after, allowed_uids(allow_uids, allow_any_uid))
+    """List segments with their state, age and size, and the files refused (with why)."""
+    ts = _targets(
+        shm_dir, prefix, None, stale_after, allowed_uids(allow_uids, allow_any_uid), False
+    )
     views = ts.views()
+    # Refused files are rows too (the reason names the versions of a newer major): an engine
+    # upgraded before the daemon must not vanish from the list.
+    refused = sorted(ts.refused.items())
     ts.stop()
-    if not views:
+    if not views and not refused:
         click.echo(
             f"kvsidecar: no segments in {printable(shm_dir)} with prefix {printable(repr(prefix))}",
             err=True,
         )
         sys.exit(EXIT_NO_TARGET)
     now = time.monotonic_ns()
-    w = max([40, *(len(printable(v.name)) for v in views)])
+    w = max(
+        [40, *(len(printable(v.name)) for v in views), *(len(printable(n)) for n, _ in refused)]
+    )
     click.echo(f"{'SEGMENT':<{w}} {'STATE':<10} {'AGE':>8} {'GEN':>4} {'BYTES':>8}  ERROR")
     for v in views:
         age = v.age_seconds(now)
@@ -289,5 +298,13 @@ def ls(
         click.echo(
             f"{printable(v.name):<{w}} {v.state:<10} {'-' if age is None else f'{age:.1f}s':>8} "
             f"{gen:>4} {size:>8}  {printable(v.error)}"
+        )
+    for name, why in refused:
+        try:
+            size = os.stat(os.path.join(shm_dir, name), follow_symlinks=False).st_size
+        except OSError:
+            size = 0
+        click.echo(
+            f"{printable(name):<{w}} {'refused':<10} {'-':>8} {'-':>4} {size:>8}  {printable(why)}"
         )
     sys.exit(_exit_code(views))

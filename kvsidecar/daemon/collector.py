@@ -239,6 +239,10 @@ class SnapshotCollector:
             for cause, n in sorted(stats.get("discovery_errors", {}).items()):
                 errors.add_metric([cause], n)
             yield errors
+            refused_file = _family(defs["kvsidecar_refused_file"], ("file", "reason"))
+            for name, reason in stats.get("refused_files", []):
+                refused_file.add_metric([name, reason], 1.0)
+            yield refused_file
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
 

@@ -16,6 +16,7 @@ failing ``listdir`` keeps every known target (see docs/security.md).
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import os
 import stat
@@ -47,7 +48,8 @@ REFUSAL_REASONS = (
     "symlink",
     "not_regular",
     "foreign_owner",
-    "unreadable",  # the reader refused it: permissions, newer major version, ...
+    "version",  # a newer (or older) major layout or schema version: upgrade the daemon
+    "unreadable",  # the reader refused it: permissions, bad name, ...
     "vanished",  # gone before it could be read
     "max_targets",
 )
@@ -347,6 +349,17 @@ class TargetSet:
     def refused_count(self) -> int:
         return len(self._refused)
 
+    def refused_files(self, limit: int) -> list[tuple[str, str]]:
+        """(name, reason) of the first `limit` refused files by name: one health series
+        each, bounded however many files others put in the directory."""
+        out = []
+        # list() copies the keys atomically; the poller may change the dict meanwhile.
+        for name in heapq.nsmallest(limit, list(self._refused)):
+            entry = self._refused.get(name)
+            if entry is not None:
+                out.append((name, entry.reason))
+        return out
+
     def _message(self, name: str, reason: str, uid: int = -1) -> str:
         path = os.path.join(self.shm_dir, name)
         owner = f"owned by uid {uid}, " if uid >= 0 else ""
@@ -489,7 +502,8 @@ class TargetSet:
                     self.discovery_errors_total = _bump(self.discovery_errors_total, cause)
                     self._log_error(cause, f"cannot open segments: {view.error}")
                     return
-                self._refuse(name, "unreadable", ino, key, view.error)
+                reason = "version" if view.error_kind == "version_mismatch" else "unreadable"
+                self._refuse(name, reason, ino, key, view.error)
                 return
         if view.state != NOT_READY:
             log.info("%s: found, %s %s", name, view.state, view.error)
@@ -531,6 +545,8 @@ class TargetSet:
         """One log line per interval for every refusal since the last one."""
         if not self._pending or now - self._last_summary < self.summary_interval:
             return
+        if self.summary_interval == float("inf"):
+            return  # dump/ls list the refusals themselves: no second copy in a log line
         total = sum(self._pending.values())
         kinds = ", ".join(f"{n} {r}" for r, n in sorted(self._pending.items()))
         example = self._pending_example

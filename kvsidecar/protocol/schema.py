@@ -33,7 +33,7 @@ SCHEMA_MAJOR = 1
 # 1.1: token-unit prefix counters, oldest deferral, kvcached pages; 1.2: virtual_blocks,
 # protected_blocks (virtual_* = the reservation, as in kvcached); 1.3: runtime instance and
 # distinct deferred requests
-SCHEMA_MINOR = 3
+SCHEMA_MINOR = 4
 SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 ROLES = ("prefill", "decode", "both")
@@ -75,6 +75,10 @@ class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # several pools report counts without request ids). requests_deferred_free above keeps
     # its v1.0 meaning (0 when unsupported) for older readers.
     requests_deferred_free_distinct: int | None = None
+    # -- v1.4 ------------------------------------------------------------------
+    # Requests preempted (KV freed to make room, recomputed later) since the agent started;
+    # None where the engine has no preemption or the writer cannot see it.
+    preemptions_total: int | None = None
 
 
 class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
