@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -104,3 +105,37 @@ def test_identity_dense_dp_rank_survives_vllms_reconfiguration():
     assert (ident["dp_rank"], ident["tp_rank"], ident["tp_size"]) == (3, 0, 2)
     assert ident["dp_size"] >= 4
     assert identity(_config(served=()))["model_name"] == "/models/x"
+
+
+_DISABLED_LINE = """
+import logging, sys
+import vllm.logger
+from vllm.config.logging import LoggingConfig
+vllm.logger.configure_logging(LoggingConfig())  # what every vLLM process does at start
+from kvsidecar.agent.engines import vllm as plugin
+plugin.register()
+from kvsidecar.agent import KVSidecarAgent
+agent = KVSidecarAgent("vllm", "m", shm_dir=sys.argv[1])
+print("ENABLED", agent.enabled, flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_agent_lines_go_through_vllms_logger(tmp_path):
+    """The agent's own lines (here "agent disabled": its directory is a file) come out
+    through ``vllm.kvsidecar`` in vLLM's format, once, not bare from ``kvsidecar.agent``."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    proc = run_in_engine_env(
+        "vllm",
+        ["-c", _DISABLED_LINE, str(not_a_dir)],
+        timeout=280,
+        env={"VLLM_CONFIGURE_LOGGING": "1"},
+    )
+    assert "ENABLED False" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-4000:])
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "agent disabled" in ln]
+    assert len(lines) == 1, lines
+    # vLLM's format: "(<process> pid=N) WARNING mm-dd hh:mm:ss [file.py:line] message".
+    assert re.search(
+        r"WARNING \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] kvsidecar agent disabled", lines[0]
+    ), lines
