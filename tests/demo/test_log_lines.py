@@ -1,0 +1,39 @@
+"""The demo's two engines share one stderr: each log line is one write, so lines never
+glue together (issue #23 item 3: ``...pp0kvsidecar-demo[prefill] pid...`` under
+PYTHONUNBUFFERED=1). Two real processes, one real pipe."""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+from tests.conftest import REPO
+
+SCRIPT = """
+import sys
+from kvsidecar.agent.demo.procutil import log
+for i in range(int(sys.argv[2])):
+    log(sys.argv[1], f"step {i} segment kvsidecar.demo.{sys.argv[1]}.dp0.tp0.pp0")
+"""
+N = 3000
+
+
+def test_two_engines_lines_never_glue() -> None:
+    r, w = os.pipe()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    procs = [
+        subprocess.Popen([sys.executable, "-c", SCRIPT, role, str(N)], stderr=w, cwd=REPO, env=env)
+        for role in ("prefill", "decode")
+    ]
+    os.close(w)
+    with os.fdopen(r, "rb") as f:
+        out = f.read().decode()
+    assert [p.wait(60) for p in procs] == [0, 0]
+    lines = out.splitlines()
+    good = re.compile(
+        r"kvsidecar-demo\[(prefill|decode)\] step \d+ segment kvsidecar\.demo\.\1\.dp0\.tp0\.pp0"
+    )
+    bad = [ln for ln in lines if not good.fullmatch(ln)]
+    assert not bad and len(lines) == 2 * N, (len(lines), bad[:3])
