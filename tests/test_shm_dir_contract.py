@@ -28,3 +28,15 @@ def test_agent_and_serve_do_what_the_docs_say(tmp_path) -> None:
     assert not (tmp_path / "not-created").exists()
     r = cli("serve", "--shm-dir", missing, "--web.listen-address", "127.0.0.1:0")
     assert r.returncode == 2 and missing in r.stderr, r.stderr
+
+
+def test_troubleshooting_quotes_the_message_serve_prints(tmp_path) -> None:
+    """The troubleshooting row for a daemon that exits at start quotes what serve really
+    prints for a missing directory (it quoted a message that never occurs for that)."""
+    text = (Path(REPO) / "docs" / "operations.md").read_text()
+    row = next(ln for ln in text.splitlines() if ln.startswith("| The daemon exits at start"))
+    quoted = re.search(r"`([^`]*\.\.\.[^`]*)`", row).group(1)
+    r = cli("serve", "--shm-dir", str(tmp_path / "missing"), "--web.listen-address", "127.0.0.1:0")
+    assert r.returncode == 2
+    pattern = ".*".join(re.escape(part.strip()) for part in quoted.split("..."))
+    assert re.search(pattern, r.stderr), (quoted, r.stderr)

@@ -63,6 +63,16 @@ def _targets(
     return ts
 
 
+def _none_found(shm_dir: str) -> str:
+    """'no segments in DIR', saying so when DIR (the default) does not exist yet."""
+    if not os.path.lexists(shm_dir):
+        return (
+            f"no segments: {printable(shm_dir)} does not exist yet (the agent creates it "
+            "when the first engine starts)"
+        )
+    return f"no segments in {printable(shm_dir)}"
+
+
 def _fmt_bytes(n: int | None) -> str:
     if n is None:
         return "-"
@@ -108,6 +118,9 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
         )
         if v.state != UP:
             lines.append(f"  ! {printable(v.error)} (values below are the last good snapshot)")
+        if not v.last.snapshot.pools:
+            lines.append("  (no pools registered)")
+            continue
         lines.append(
             f"  {'POOL':<12} {'TOTAL':>8} {'ALLOC':>8} {'RESV':>6} {'AVAIL':>8} {'CACHED':>7} "
             f"{'DEFER_BLK':>9} {'USAGE':>6} {'TOKENS':>9} {'ALLOC_B':>10} {'EVICT':>8}"
@@ -120,12 +133,18 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
                 f"{_n(p.deferred_free_blocks):>9} {usage:>6.1%} {_n(p.tokens_used):>9} "
                 f"{_fmt_bytes(p.allocated_bytes):>10} {_n(p.evictions_total):>8}"
             )
-    return "\n".join(line[:width] for line in lines)
+    out = [line[:width] for line in lines]
+    cut = max(len(line) for line in lines) - width
+    if cut > 0:  # never drop columns silently
+        out.append(
+            f"({cut} more characters per line at {width} columns: widen the terminal or use --json)"
+        )
+    return "\n".join(out)
 
 
 _stale_after_option = click.option(
     "--stale-after",
-    type=float,
+    type=click.FloatRange(0, min_open=True),  # as serve: a negative age would mean "never up"
     default=settings.STALE_AFTER.default,
     show_default=True,
     envvar=settings.STALE_AFTER.name,
@@ -196,7 +215,7 @@ def dump(
             views = ts.views()
             if not views:
                 click.echo(
-                    f"kvsidecar: no segments in {printable(shm_dir)} matching "
+                    f"kvsidecar: {_none_found(shm_dir)} matching "
                     f"{printable(pattern or prefix + '*')}",
                     err=True,
                 )
@@ -279,8 +298,7 @@ def ls(
     ts.stop()
     if not views and not refused:
         click.echo(
-            f"kvsidecar: no segments in {printable(shm_dir)} with prefix {printable(repr(prefix))}",
-            err=True,
+            f"kvsidecar: {_none_found(shm_dir)} with prefix {printable(repr(prefix))}", err=True
         )
         sys.exit(EXIT_NO_TARGET)
     now = time.monotonic_ns()

@@ -100,7 +100,9 @@ class SnapshotCollector:
                     "pp_size": str(r.pp_size),
                     "schema_version": r.schema_version,
                     "initialized": str(r.initialized).lower(),
-                    "pid": str(r.pid),
+                    # No pid: a label that changes at every engine restart would make a new
+                    # series each time (kvsidecar_engine_start_time_seconds marks restarts;
+                    # the pid is in /api/v1/snapshots and kvsidecar dump).
                 },
             )
         for _, fam in families:

@@ -118,7 +118,8 @@ ENGINE_INFO = MetricDef(
     INFO,
     "",
     "Static facts of a rank as labels (engine_version, device, dp/tp/pp sizes, schema, "
-    "initialized); value 1.",
+    "initialized); value 1. No pid label (it would mint a series at every engine restart: "
+    "the pid is in /api/v1/snapshots).",
     anchor="kvcached RuntimeSnapshot",
 )
 

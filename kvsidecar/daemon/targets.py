@@ -144,7 +144,9 @@ class Target:
                 if view.state == UP or view.error_kind == CLOSED_KIND
                 else logging.WARNING
             )
-            log.log(level, "%s: %s -> %s %s", self.name, self.view.state, view.state, view.error)
+            # The error names the segment itself ("segment NAME: ..."): not twice per line.
+            why = view.error.removeprefix(f"segment {self.name}: ")
+            log.log(level, "%s: %s -> %s%s", self.name, self.view.state, view.state, _sep(why))
         self.view = view
         return view
 
@@ -274,6 +276,11 @@ class _Refused:
     reason: str
     message: str | None  # None: rebuilt from the reason (keeps 50,000 entries small)
     uid: int = -1  # the owner, for a foreign_owner message that names it
+
+
+def _sep(why: str) -> str:
+    """ ": why" for a log line, nothing when there is no why (no trailing space)."""
+    return f": {why}" if why else ""
 
 
 def _transient_cause(error: str) -> str | None:
@@ -476,7 +483,13 @@ class TargetSet:
                     return  # unchanged since it was refused
                 reason = self._classify(st)
                 if reason is not None:
-                    self._refuse(name, reason, ino, key, uid=st.st_uid)
+                    # A directory is not a FIFO or a device: say what it is (rare: kept).
+                    why = (
+                        f"{self.shm_dir}/{name} is a directory: refused"
+                        if stat.S_ISDIR(st.st_mode)
+                        else None
+                    )
+                    self._refuse(name, reason, ino, key, why, uid=st.st_uid)
                     return
             if len(self.targets) >= self.max_targets:
                 self._refuse(name, "max_targets", ino, key)
@@ -506,7 +519,9 @@ class TargetSet:
                 self._refuse(name, reason, ino, key, view.error)
                 return
         if view.state != NOT_READY:
-            log.info("%s: found, %s %s", name, view.state, view.error)
+            why = view.error.removeprefix(f"segment {name}: ")
+            level = logging.INFO if view.state == UP else logging.WARNING  # corrupt, stale, ...
+            log.log(level, "%s: found, %s%s", name, view.state, _sep(why))
         self._refused.pop(name, None)
         self.targets[name] = target
 
