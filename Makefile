@@ -37,7 +37,8 @@ bench-quick: $(STAMP)
 # pip install dist/kvsidecar-<version>-*.whl (no compiler needed where it was built for).
 dist: $(STAMP)
 	rm -rf dist
-	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir dist .
+	git rev-parse --short=12 HEAD > kvsidecar/REVISION 2>/dev/null || echo unknown > kvsidecar/REVISION
+	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir dist .; rc=$$?; rm -f kvsidecar/REVISION; exit $$rc
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info kvsidecar/protocol/*.so bench-results

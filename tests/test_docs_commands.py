@@ -276,6 +276,12 @@ def test_make_dist_builds_an_installable_wheel_and_sdist(tmp_path: Path) -> None
         env={**os.environ, "PYTHONPATH": str(target)},
     )  # fmt: skip
     assert r.returncode == 0 and str(target) in r.stdout and "version" in r.stdout, r
+    # The wheel carries its source revision (there is no .git beside an installed copy).
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    assert f"(revision {head})" in r.stdout, r.stdout
+    assert not (Path(REPO) / "kvsidecar" / "REVISION").exists(), "make dist leaves no file"
     assert (target / "kvsidecar" / "agent" / "__init__.py").exists()
     assert list((target / "kvsidecar" / "protocol").glob("_seqlock*.so"))
     import tarfile

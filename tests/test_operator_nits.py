@@ -96,3 +96,50 @@ def test_bench_help_names_the_variables_it_reads() -> None:
             engine = s.name.removeprefix("KVSIDECAR_").removesuffix("_PYTHON").lower()
             r = CliRunner().invoke(main, ["bench", engine, "--help"])
             assert r.exit_code == 0 and s.name in r.output, (s.name, r.output)
+
+
+def test_serve_says_it_waits_for_the_default_directory(monkeypatch, caplog) -> None:
+    from kvsidecar.daemon import targets as targets_mod
+
+    parent = tempfile.mkdtemp(prefix="kvsidecar-default-")
+    missing = os.path.join(parent, "kvsidecar")
+    monkeypatch.setattr(targets_mod, "DEFAULT_SHM_DIR", missing)
+    ts = TargetSet(missing, prefix="kvsidecar.", rediscover_interval=0.0)
+    try:
+        with caplog.at_level(logging.INFO, logger="kvsidecar"):
+            ts.poll_all()
+            ts.poll_all()
+        lines = [m for _, m in _messages(caplog) if "does not exist yet" in m]
+        assert lines == [
+            f"{missing} does not exist yet: no segments until the first engine's agent creates it"
+        ]
+    finally:
+        ts.stop()
+        shutil.rmtree(parent)
+
+
+def test_a_bad_telemetry_path_is_a_usage_error_naming_the_option(shm_dir: str) -> None:
+    r = CliRunner().invoke(
+        main,
+        ["serve", "--shm-dir", shm_dir, "--web.listen-address", "127.0.0.1:0",
+         "--web.telemetry-path", "metrics"],
+    )  # fmt: skip
+    assert r.exit_code == 2 and "--web.telemetry-path" in r.output, r.output
+    assert "cannot listen" not in r.output
+
+
+def test_build_info_and_version_carry_the_revision() -> None:
+    import subprocess
+
+    from kvsidecar.daemon.collector import SnapshotCollector
+    from tests.conftest import REPO
+
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    assert head
+    r = CliRunner().invoke(main, ["ls", "--version"])
+    assert r.exit_code == 0 and f"version 0.1.0 (revision {head})" in r.output, r.output
+    fams = {f.name: f for f in SnapshotCollector(lambda: []).collect()}
+    (sample,) = fams["kvsidecar_build"].samples
+    assert sample.labels["revision"] == head and sample.labels["version"] == "0.1.0"

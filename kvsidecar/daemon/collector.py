@@ -24,6 +24,7 @@ from kvsidecar.daemon import metric_defs as md
 from kvsidecar.daemon.budget import valid_value
 from kvsidecar.daemon.targets import STATES, TargetView
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
+from kvsidecar.revision import revision
 
 
 def rank_labels(view: TargetView) -> list[str]:
@@ -217,7 +218,7 @@ class SnapshotCollector:
         sources.add_metric([], len(views))
         yield sources
         build = InfoMetricFamily("kvsidecar_build", defs["kvsidecar_build_info"].help)
-        build.add_metric([], {"version": __version__})
+        build.add_metric([], {"version": __version__, "revision": revision()})
         yield build
         if self._daemon_stats is not None:
             stats = self._daemon_stats()

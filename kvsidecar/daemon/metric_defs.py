@@ -633,7 +633,13 @@ DAEMON: tuple[MetricDef, ...] = (
         "of descriptors or memory, by errno name (label cause, e.g. EACCES, EMFILE).",
     ),
     MetricDef("kvsidecar_sources", GAUGE, "", "Segments currently followed."),
-    MetricDef("kvsidecar_build_info", INFO, "", "kvsidecar version (label version); value 1."),
+    MetricDef(
+        "kvsidecar_build_info",
+        INFO,
+        "",
+        "kvsidecar version and source revision (labels version, revision: a git commit, or "
+        "unknown); value 1.",
+    ),
     MetricDef(
         "kvsidecar_poll_duration_seconds",
         GAUGE,

@@ -341,6 +341,7 @@ class TargetSet:
         self._pending_example = ""
         self._last_summary = float("-inf")
         self._error_logged: dict[str, float] = {}
+        self._waiting_logged = False  # "the default directory does not exist yet", once
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -406,6 +407,12 @@ class TargetSet:
                 return
             # The agent creates the default directory with the first engine: until then
             # there is no segment (not an error), and nothing known can be kept either.
+            if not self._waiting_logged:  # once: say where we look, or nothing shows it
+                log.info(
+                    "%s does not exist yet: no segments until the first engine's agent creates it",
+                    self.shm_dir,
+                )
+                self._waiting_logged = True
             self._discovery_ok()
             self._dir_key = None
             self._rescan({})
