@@ -8,15 +8,25 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 
 .PHONY: run test lint bench bench-quick fuzz soak clean venv dist
 
+RUN_STAMP := $(VENV)/.run-stamp
+
 $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[agent,dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+# What `make run` needs and no more (no test or benchmark tools), saying what it does: the
+# first run downloads torch (CPU) and takes minutes.
+$(RUN_STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
+	@test -x $(BIN)/python || { echo "make run: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make run: installing kvsidecar and torch (CPU) into $(VENV); the first time takes a few minutes"
+	$(BIN)/pip install --disable-pip-version-check -c constraints.txt -e '.[agent]'
+	touch $(RUN_STAMP)
 
 # Just the environment: .venv/bin/kvsidecar and .venv/bin/python, as the docs use them.
 venv: $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/kvsidecar demo $(ARGS)
 
 test: $(STAMP)
