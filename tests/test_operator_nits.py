@@ -143,3 +143,12 @@ def test_build_info_and_version_carry_the_revision() -> None:
     fams = {f.name: f for f in SnapshotCollector(lambda: []).collect()}
     (sample,) = fams["kvsidecar_build"].samples
     assert sample.labels["revision"] == head and sample.labels["version"] == "0.1.0"
+
+
+def test_selfcheck_shows_progress_and_what_the_time_was() -> None:
+    from tests.test_operator_cli import cli
+
+    r = cli("selfcheck", "--seconds", "0.3", timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert r.stderr.startswith("selfcheck: starting a writer and 2 reader processes"), r.stderr
+    assert "in 0.3 s of reads (" in r.stdout and "with process start-up)" in r.stdout, r.stdout
