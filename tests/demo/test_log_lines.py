@@ -37,3 +37,25 @@ def test_two_engines_lines_never_glue() -> None:
     )
     bad = [ln for ln in lines if not good.fullmatch(ln)]
     assert not bad and len(lines) == 2 * N, (len(lines), bad[:3])
+
+
+NO_NUMPY = """
+import sys
+sys.modules["numpy"] = None  # as after `make run`: torch's CPU wheel brings no numpy
+import hashlib, torch
+from kvsidecar.agent.demo.pd import kv_digest, raw_bytes
+kv = torch.arange(24, dtype=torch.float32).reshape(2, 3, 4)[:, 1:]  # not contiguous
+data = raw_bytes(kv)
+assert torch.equal(torch.frombuffer(bytearray(data), dtype=torch.float32).reshape(2, 2, 4), kv)
+assert kv_digest(kv) == hashlib.sha256(data).hexdigest()[:16]
+print("ok")
+"""
+
+
+def test_the_pd_transfer_needs_no_numpy() -> None:
+    """`make run` installs the agent extra only; the P/D demo moved K/V through .numpy() and
+    died with "Numpy is not available" (found walking a fresh clone, issue #23 item 3)."""
+    r = subprocess.run(
+        [sys.executable, "-c", NO_NUMPY], capture_output=True, text=True, cwd=REPO, timeout=120
+    )
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
