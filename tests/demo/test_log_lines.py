@@ -8,23 +8,30 @@ import os
 import re
 import subprocess
 import sys
+import time
 
 from tests.conftest import REPO
 
 SCRIPT = """
-import sys
+import sys, time
 from kvsidecar.agent.demo.procutil import log
+start = float(sys.argv[3])
+while time.time() < start:  # both start together, after their imports: they overlap
+    pass
 for i in range(int(sys.argv[2])):
     log(sys.argv[1], f"step {i} segment kvsidecar.demo.{sys.argv[1]}.dp0.tp0.pp0")
 """
-N = 3000
+N = 20000
 
 
 def test_two_engines_lines_never_glue() -> None:
     r, w = os.pipe()
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    start = str(time.time() + 3.0)  # generous: two interpreters start on a loaded host
     procs = [
-        subprocess.Popen([sys.executable, "-c", SCRIPT, role, str(N)], stderr=w, cwd=REPO, env=env)
+        subprocess.Popen(
+            [sys.executable, "-c", SCRIPT, role, str(N), start], stderr=w, cwd=REPO, env=env
+        )
         for role in ("prefill", "decode")
     ]
     os.close(w)
