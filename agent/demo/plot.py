@@ -151,6 +151,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--interval", type=float, default=0.1, help="seconds between polls")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # `make run` alone does not install it
+        print(
+            "python -m kvsidecar.agent.demo.plot: matplotlib is not installed: run `make venv` "
+            "(the dev extra) first",
+            file=sys.stderr,
+        )
+        return 2
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"

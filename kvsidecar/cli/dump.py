@@ -63,14 +63,14 @@ def _targets(
     return ts
 
 
-def _none_found(shm_dir: str) -> str:
-    """'no segments in DIR', saying so when DIR (the default) does not exist yet."""
+def _none_found(shm_dir: str, which: str) -> str:
+    """'no segments in DIR <which>', or that DIR (the default) does not exist yet."""
     if not os.path.lexists(shm_dir):
         return (
             f"no segments: {printable(shm_dir)} does not exist yet (the agent creates it "
             "when the first engine starts)"
         )
-    return f"no segments in {printable(shm_dir)}"
+    return f"no segments in {printable(shm_dir)} {which}"
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -215,8 +215,8 @@ def dump(
             views = ts.views()
             if not views:
                 click.echo(
-                    f"kvsidecar: {_none_found(shm_dir)} matching "
-                    f"{printable(pattern or prefix + '*')}",
+                    f"kvsidecar: "
+                    f"{_none_found(shm_dir, 'matching ' + printable(pattern or prefix + '*'))}",
                     err=True,
                 )
                 sys.exit(EXIT_NO_TARGET)
@@ -298,7 +298,8 @@ def ls(
     ts.stop()
     if not views and not refused:
         click.echo(
-            f"kvsidecar: {_none_found(shm_dir)} with prefix {printable(repr(prefix))}", err=True
+            f"kvsidecar: {_none_found(shm_dir, 'with prefix ' + printable(repr(prefix)))}",
+            err=True,
         )
         sys.exit(EXIT_NO_TARGET)
     now = time.monotonic_ns()

@@ -27,3 +27,20 @@ def test_plot_runs_its_duration_after_startup_into_a_new_folder(tmp_path) -> Non
     counts = [int(ln.split(": ")[1].split()[0]) for ln in r.stdout.splitlines() if " samples" in ln]
     # 2 s at 100 ms: about 20 samples per rank; at least a few even on a loaded host.
     assert len(counts) == 2 and min(counts) >= 3, r.stdout
+
+
+def test_plot_without_matplotlib_says_how_to_get_it(tmp_path) -> None:
+    """`make run` alone does not install matplotlib: one line naming the fix, before any run."""
+    code = (
+        "import sys; sys.modules['matplotlib'] = None\n"
+        "from kvsidecar.agent.demo.plot import main\n"
+        f"sys.exit(main(['--out', {str(tmp_path / 'x.png')!r}]))"
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, cwd=REPO, timeout=60
+    )
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines() == [
+        "python -m kvsidecar.agent.demo.plot: matplotlib is not installed: run `make venv` "
+        "(the dev extra) first"
+    ]
