@@ -8,15 +8,26 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 
 .PHONY: run test lint bench bench-quick fuzz soak clean venv dist vllm-check gpu-check
 
+RUN_STAMP := $(VENV)/.run-stamp
+
 $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[agent,dev]'
-	touch $(STAMP)
+	touch $(STAMP) $(RUN_STAMP)
+
+# What `make run` needs and no more (no test or benchmark tools), saying what it does: the
+# first run downloads torch (CPU) and takes minutes. numpy: torch warns at every import
+# without it (its CPU wheel does not bring it); the demo itself does not need it.
+$(RUN_STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
+	@test -x $(BIN)/python || { echo "make run: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
+	@echo "make run: installing kvsidecar and torch (CPU) into $(VENV); the first time takes a few minutes"
+	$(BIN)/pip install --disable-pip-version-check -c constraints.txt -e '.[agent]' numpy
+	touch $(RUN_STAMP)
 
 # Just the environment: .venv/bin/kvsidecar and .venv/bin/python, as the docs use them.
 venv: $(STAMP)
 
-run: $(STAMP)
+run: $(RUN_STAMP)
 	$(BIN)/kvsidecar demo $(ARGS)
 
 test: $(STAMP)
@@ -37,7 +48,8 @@ bench-quick: $(STAMP)
 # pip install dist/kvsidecar-<version>-*.whl (no compiler needed where it was built for).
 dist: $(STAMP)
 	rm -rf dist
-	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir dist .
+	git rev-parse --short=12 HEAD > kvsidecar/REVISION 2>/dev/null || echo unknown > kvsidecar/REVISION
+	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir dist .; rc=$$?; rm -f kvsidecar/REVISION; exit $$rc
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info kvsidecar/protocol/*.so bench-results

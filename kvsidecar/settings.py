@@ -249,7 +249,6 @@ LOG_LEVEL = _s(
     "info",
     "`debug`, `info`, `warn` (or `warning`), `error`",
     DAEMON,
-    CLI,
     flag="--log.level",
 )
 LOG_FORMAT = _s(
@@ -258,7 +257,6 @@ LOG_FORMAT = _s(
     "logfmt",
     "`logfmt` or `json`, one line per message on stderr",
     DAEMON,
-    CLI,
     flag="--log.format",
 )
 

@@ -33,6 +33,7 @@ VENV_BIN = Path(sys.executable).parent
 EXTERNAL = {
     "systemctl", "systemd-tmpfiles", "useradd", "install", "ln", "echo", "id", "ls", "curl",
     "grep", "docker", "kubectl", "journalctl", "df", "getent", "cut", "promtool", "eval",
+    "mkdir",
 }  # fmt: skip
 # A command starting with one of these must not be used: kvsidecar is on no index, and
 # the system Python has no kvsidecar.
@@ -296,6 +297,12 @@ def test_make_dist_builds_an_installable_wheel_and_sdist(tmp_path: Path) -> None
         env={**os.environ, "PYTHONPATH": str(target)},
     )  # fmt: skip
     assert r.returncode == 0 and str(target) in r.stdout and "version" in r.stdout, r
+    # The wheel carries its source revision (there is no .git beside an installed copy).
+    head = subprocess.run(
+        ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO
+    ).stdout.strip()
+    assert f"(revision {head})" in r.stdout, r.stdout
+    assert not (Path(REPO) / "kvsidecar" / "REVISION").exists(), "make dist leaves no file"
     assert (target / "kvsidecar" / "agent" / "__init__.py").exists()
     assert list((target / "kvsidecar" / "protocol").glob("_seqlock*.so"))
     import tarfile
@@ -304,3 +311,43 @@ def test_make_dist_builds_an_installable_wheel_and_sdist(tmp_path: Path) -> None
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
     for needed in ("setup.py", "pyproject.toml", "kvsidecar/protocol/_seqlock.c", "agent/pool.py"):
         assert needed in names, needed
+
+
+def test_quickstart_never_uses_the_production_or_the_bare_shm_directory() -> None:
+    """Demo segments go to a directory of their own (issue #23 item 3): every demo engine
+    and serve command of the quickstart names --shm-dir, and never the production default
+    or bare /dev/shm."""
+    from kvsidecar.protocol.names import DEFAULT_SHM_DIR
+
+    text = (Path(REPO) / "docs" / "quickstart.md").read_text()
+    checked = 0
+    for block in shell_blocks(text):
+        for line in commands(block):
+            for argv in simple_commands(line):
+                engine = argv[:3] == [".venv/bin/python", "-m", "kvsidecar.agent.demo"]
+                serve = argv[:2] in ([".venv/bin/kvsidecar", "serve"], ["kvsidecar", "serve"])
+                if not (engine or serve):
+                    continue
+                checked += 1
+                assert "--shm-dir" in argv, line
+                where = argv[argv.index("--shm-dir") + 1].rstrip("/")
+                assert where not in (DEFAULT_SHM_DIR, "/dev/shm"), line
+    assert checked >= 4
+
+
+def test_make_run_installs_only_what_run_needs_and_says_so(tmp_path: Path) -> None:
+    """`make run` on a fresh clone (no venv): it says what the minutes-long first install
+    does, and installs the agent extra only, not the test and benchmark tools (#23 item 3)."""
+    r = subprocess.run(
+        ["make", "-n", "run", f"VENV={tmp_path / 'venv'}"],
+        capture_output=True, text=True, timeout=60, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    lines = r.stdout.splitlines()
+    install = [i for i, ln in enumerate(lines) if " install " in ln and "pip" in ln]
+    assert len(install) == 1, lines
+    assert "'.[agent]'" in lines[install[0]] and "dev" not in lines[install[0]]
+    assert lines[install[0]].split(" install ", 1)[1].split()[-2:] == ["'.[agent]'", "numpy"]
+    assert " -q" not in lines[install[0]], "pip's own progress is what the wait shows"
+    said = [ln for ln in lines[: install[0]] if ln.startswith("echo") and "first time" in ln]
+    assert said, lines

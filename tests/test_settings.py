@@ -101,3 +101,18 @@ def test_the_table_imports_light() -> None:
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "[]"
+
+
+def test_used_by_matches_each_commands_options() -> None:
+    """A setting's "used by" names exactly the commands that have its flag (issue #23: the
+    table claimed --log.level/--log.format for dump/ls, which have neither)."""
+    from kvsidecar.cli.main import main
+
+    commands = {"serve": ["serve"], "dump/ls": ["dump", "ls"]}
+    for s in settings.ALL:
+        if not s.flag:
+            continue
+        for user, names in commands.items():
+            for name in names:
+                opts = {o for p in main.commands[name].params for o in p.opts}
+                assert (s.flag in opts) == (user in s.used_by), (s.name, name)

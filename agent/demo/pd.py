@@ -17,6 +17,7 @@ makes decode wait that long after "ready" before pulling, so the deferred window
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import time
 from collections import deque
@@ -49,8 +50,15 @@ def gather_kv(pool: KVBlockPool, req_id: str, start: int) -> torch.Tensor:
     return torch.stack(layers).cpu().contiguous()
 
 
+def raw_bytes(t: torch.Tensor) -> bytes:
+    """A CPU tensor's bytes, without numpy: `make run` installs only the agent extra
+    (torch's CPU wheel does not bring numpy, and `.numpy()` then raises)."""
+    t = t.detach().cpu().contiguous()
+    return ctypes.string_at(t.data_ptr(), t.numel() * t.element_size())
+
+
 def kv_digest(kv: torch.Tensor) -> str:
-    return hashlib.sha256(kv.contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()[:16]
+    return hashlib.sha256(raw_bytes(kv)).hexdigest()[:16]
 
 
 # --------------------------------------------------------------------------- prefill
@@ -89,7 +97,7 @@ class PrefillServer:
             _, rid, start = msg
             kv = gather_kv(self.pool, rid, start)
             self.conn.send(("kv", rid, tuple(kv.shape), str(kv.dtype).removeprefix("torch.")))
-            self.conn.send_bytes(kv.reshape(-1).view(torch.uint8).numpy())  # 1-D: whole buffer
+            self.conn.send_bytes(raw_bytes(kv))  # the whole buffer
             self.moved += kv.numel() * kv.element_size()
             self.pool.release(rid, CONNECTOR)  # the K/V has left: the blocks may go
             del self.pending[rid]

@@ -16,6 +16,7 @@ import sys
 import time
 import urllib.request
 from collections import defaultdict
+from pathlib import Path
 
 Series = dict[str, list[float]]
 
@@ -26,11 +27,20 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def poll(url: str, proc: subprocess.Popen, interval: float) -> dict[str, Series]:
-    """role -> field -> samples, until the demo exits. ``t``: wall-clock seconds; ``start``:
-    the engine's start (its agent's start_time, when its arrivals start too)."""
+def poll(
+    url: str, proc: subprocess.Popen, interval: float, duration: float = float("inf")
+) -> dict[str, Series]:
+    """role -> field -> samples, until the demo exits or `duration` seconds after the
+    engines are up (both ranks publishing: their start-up, seconds of torch import on a
+    slow host, never eats into the run). ``t``: wall-clock seconds; ``start``: the engine's
+    start (its agent's start_time, when its arrivals start too)."""
     data: dict[str, Series] = defaultdict(lambda: defaultdict(list))
+    up_at: float | None = None
     while proc.poll() is None:
+        if up_at is None and {"prefill", "decode"} <= data.keys():
+            up_at = time.monotonic()
+        if up_at is not None and time.monotonic() - up_at >= duration:
+            break
         tick = time.monotonic()
         now = time.time()
         try:
@@ -135,10 +145,21 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--rate", type=float, default=8.0)
     p.add_argument("--transfer-delay", type=float, default=1.0)
     p.add_argument("--arrivals", type=float, default=10.0, help="seconds of arrivals")
-    p.add_argument("--duration", type=float, default=16.0, help="seconds of the whole run")
+    p.add_argument(
+        "--duration", type=float, default=16.0, help="seconds of the run, once the engines are up"
+    )
     p.add_argument("--interval", type=float, default=0.1, help="seconds between polls")
     p.add_argument("--seed", type=int, default=0)
     args = p.parse_args(argv)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:  # `make run` alone does not install it
+        print(
+            "python -m kvsidecar.agent.demo.plot: matplotlib is not installed: run `make venv` "
+            "(the dev extra) first",
+            file=sys.stderr,
+        )
+        return 2
 
     port = free_port()
     url = f"http://127.0.0.1:{port}"
@@ -156,8 +177,6 @@ def main(argv: list[str] | None = None) -> int:
         str(args.seed),
         "--stop-arrivals-after",
         str(args.arrivals),
-        "--duration",
-        str(args.duration),
         "--web.listen-address",
         f"127.0.0.1:{port}",
         "--poll-interval",
@@ -165,9 +184,10 @@ def main(argv: list[str] | None = None) -> int:
         "--report-interval",
         "0",
     ]
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)  # before a minute-long run
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     try:
-        data = poll(url, proc, args.interval)
+        data = poll(url, proc, args.interval, args.duration)
     finally:
         if proc.poll() is None:
             proc.terminate()

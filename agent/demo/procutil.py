@@ -4,6 +4,7 @@ a JSONL record of finished requests and a periodic status line."""
 from __future__ import annotations
 
 import json
+import os
 import signal
 import sys
 import time
@@ -32,7 +33,16 @@ def set_pdeathsig(parent: int, sig: int = signal.SIGTERM) -> None:
 
 
 def log(role: str, message: str) -> None:
-    print(f"kvsidecar-demo[{role}] {message}", file=sys.stderr, flush=True)
+    """One line on stderr in one write(2), so the two engines' lines never glue together
+    (``print(..., flush=True)`` writes the text and the newline separately when stderr is
+    unbuffered, as under PYTHONUNBUFFERED=1)."""
+    data = f"kvsidecar-demo[{role}] {message}\n".encode(errors="backslashreplace")
+    sys.stderr.flush()  # whatever Python buffered for stderr goes first
+    while data:
+        try:
+            data = data[os.write(sys.stderr.fileno(), data) :]
+        except (OSError, ValueError):
+            return  # stderr closed: the demo runs on without its log
 
 
 class Recorder:

@@ -118,11 +118,85 @@ def vllm_version() -> str:
         return "unknown"
 
 
+class _ToVllmLogger(logging.Handler):
+    """Hands the agent's records (logger ``kvsidecar``) to ``vllm.kvsidecar``, so every line
+    the plugin logs inside vLLM has vLLM's handlers and format."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        if log.isEnabledFor(record.levelno):  # vLLM's level, read when the line is logged
+            record.name = log.name
+            log.handle(record)
+
+
+def _log_through_vllm() -> None:
+    root = logging.getLogger("kvsidecar")
+    if not any(isinstance(h, _ToVllmLogger) for h in root.handlers):
+        root.addHandler(_ToVllmLogger())
+        root.propagate = False  # one copy: vLLM's, not a second one from the root logger
+        root.setLevel(logging.DEBUG)  # the handler applies vLLM's level (configured later)
+
+
+def _patch_process_manager() -> None:
+    """In the process that starts the engine cores (the API server): once vLLM's process
+    manager has stopped them, close the segments they could not close themselves. With
+    ``--shutdown-timeout 0`` (the default) it SIGKILLs an engine core right after SIGTERM,
+    before ``Scheduler.shutdown()``, and the segment read as a crash."""
+    try:
+        from vllm.v1.engine.utils import CoreEngineProcManager
+    except Exception:
+        return  # not this vLLM layout: engine cores then close only by themselves
+    original = getattr(CoreEngineProcManager, "shutdown", None)
+    if original is None or getattr(original, _PATCH_MARK, False):
+        return
+
+    def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
+        processes = list(getattr(self, "processes", ()))
+        timeout = kwargs.get("timeout", args[0] if args else None)
+        if timeout == 0:
+            # SIGKILL follows SIGTERM at once: close first, so no reader sees "writer gone"
+            # in between. The engine aborts its requests anyway (nothing left to show).
+            _close_for(processes, dead_only=False)
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            _close_for(processes, dead_only=True)
+
+    setattr(shutdown, _PATCH_MARK, True)
+    shutdown.__wrapped__ = original  # type: ignore[attr-defined]
+    CoreEngineProcManager.shutdown = shutdown  # type: ignore[method-assign]
+
+
+def _close_for(processes: list[Any], dead_only: bool) -> None:
+    try:
+        from kvsidecar.protocol.writer import close_for_writers
+
+        if dead_only:
+            # The manager SIGKILLs without reaping: is_alive() stays True until joined. A
+            # killed process dies at once, so the wait is short; a live one is left alone.
+            deadline = time.monotonic() + 5.0
+            for p in processes:
+                p.join(max(0.0, deadline - time.monotonic()))
+        pids = {p.pid for p in processes if p.pid is not None}
+        if dead_only:
+            pids = {p.pid for p in processes if p.pid in pids and not p.is_alive()}
+        shm_dir = settings.SHM_DIR.get(os.environ) or settings.SHM_DIR.default
+        closed = close_for_writers(shm_dir, pids, dead_only=dead_only) if pids else []
+        if closed:
+            log.info(
+                "kvsidecar: vLLM is stopping its engine core; closed its segment(s) %s",
+                ", ".join(closed),
+            )
+    except Exception as e:
+        _log_once("stopped", "kvsidecar could not close a stopped engine's segment: %s", e)
+
+
 def register() -> None:
     """The ``vllm.general_plugins`` entry point. Idempotent; never raises."""
     try:
         if _disabled():
             return
+        _log_through_vllm()
+        _patch_process_manager()
         try:
             from vllm.config.scheduler import SchedulerConfig
         except Exception:  # vLLM absent (or not this layout): nothing to do
@@ -279,6 +353,13 @@ def sidecar_scheduler_class(base: type) -> type:
                 s.publish(self, engine_step=False)
             return out
 
+        def _preempt_request(self, *args: Any, **kwargs: Any) -> Any:
+            out = super()._preempt_request(*args, **kwargs)
+            s = self._kvsidecar
+            if s is not None:
+                s.preempted()
+            return out
+
         def shutdown(self) -> None:
             s = self._kvsidecar
             self._kvsidecar = None
@@ -396,6 +477,8 @@ class VllmSidecar:
         for src in sources:
             src.start_deferral_counters(tracks_expiry)
         sidecar = cls(agent, sources, tracks_expiry)
+        if hasattr(scheduler, "_preempt_request"):  # counted by the subclass's wrapper
+            agent.runtime.preemptions_total = 0
         sidecar.publish(scheduler, engine_step=False)  # visible before the first step
         log.info(
             "kvsidecar: publishing vLLM %s engine core (dp_rank %d) to %s",
@@ -458,6 +541,10 @@ class VllmSidecar:
                     src.release(rid, ids, expired)
         except Exception as e:
             _log_once("release", "kvsidecar deferral tracking failed (engine unaffected): %s", e)
+
+    def preempted(self) -> None:
+        runtime = self.agent.runtime
+        runtime.preemptions_total = (runtime.preemptions_total or 0) + 1
 
     def publish(self, scheduler: Any, engine_step: bool = True) -> None:
         try:

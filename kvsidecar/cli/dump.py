@@ -44,6 +44,7 @@ def _targets(
     pattern: str | None,
     stale_after: float,
     allowed: frozenset[int] | None,
+    report_refused: bool = True,
 ) -> TargetSet:
     from kvsidecar.daemon.targets import TargetSet
 
@@ -54,11 +55,22 @@ def _targets(
         pattern=pattern,
         stale_after=stale_after,
         allowed_uids=allowed,
+        summary_interval=float("inf"),
     )
     ts.poll_all()
-    for name, why in sorted(ts.refused.items()):
+    for name, why in sorted(ts.refused.items()) if report_refused else ():
         click.echo(f"kvsidecar: refused {printable(name)}: {printable(why)}", err=True)
     return ts
+
+
+def _none_found(shm_dir: str, which: str) -> str:
+    """'no segments in DIR <which>', or that DIR (the default) does not exist yet."""
+    if not os.path.lexists(shm_dir):
+        return (
+            f"no segments: {printable(shm_dir)} does not exist yet (the agent creates it "
+            "when the first engine starts)"
+        )
+    return f"no segments in {printable(shm_dir)} {which}"
 
 
 def _fmt_bytes(n: int | None) -> str:
@@ -106,6 +118,9 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
         )
         if v.state != UP:
             lines.append(f"  ! {printable(v.error)} (values below are the last good snapshot)")
+        if not v.last.snapshot.pools:
+            lines.append("  (no pools registered)")
+            continue
         lines.append(
             f"  {'POOL':<12} {'TOTAL':>8} {'ALLOC':>8} {'RESV':>6} {'AVAIL':>8} {'CACHED':>7} "
             f"{'DEFER_BLK':>9} {'USAGE':>6} {'TOKENS':>9} {'ALLOC_B':>10} {'EVICT':>8}"
@@ -118,12 +133,18 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
                 f"{_n(p.deferred_free_blocks):>9} {usage:>6.1%} {_n(p.tokens_used):>9} "
                 f"{_fmt_bytes(p.allocated_bytes):>10} {_n(p.evictions_total):>8}"
             )
-    return "\n".join(line[:width] for line in lines)
+    out = [line[:width] for line in lines]
+    cut = max(len(line) for line in lines) - width
+    if cut > 0:  # never drop columns silently
+        out.append(
+            f"({cut} more characters per line at {width} columns: widen the terminal or use --json)"
+        )
+    return "\n".join(out)
 
 
 _stale_after_option = click.option(
     "--stale-after",
-    type=float,
+    type=click.FloatRange(0, min_open=True),  # as serve: a negative age would mean "never up"
     default=settings.STALE_AFTER.default,
     show_default=True,
     envvar=settings.STALE_AFTER.name,
@@ -194,8 +215,8 @@ def dump(
             views = ts.views()
             if not views:
                 click.echo(
-                    f"kvsidecar: no segments in {printable(shm_dir)} matching "
-                    f"{printable(pattern or prefix + '*')}",
+                    f"kvsidecar: "
+                    f"{_none_found(shm_dir, 'matching ' + printable(pattern or prefix + '*'))}",
                     err=True,
                 )
                 sys.exit(EXIT_NO_TARGET)
@@ -266,18 +287,25 @@ def ls(
     allow_uids: tuple[int, ...],
     allow_any_uid: bool,
 ) -> None:
-    """List segments with their state, age and size."""
-    ts = _targets(shm_dir, prefix, None, stale_after, allowed_uids(allow_uids, allow_any_uid))
+    """List segments with their state, age and size, and the files refused (with why)."""
+    ts = _targets(
+        shm_dir, prefix, None, stale_after, allowed_uids(allow_uids, allow_any_uid), False
+    )
     views = ts.views()
+    # Refused files are rows too (the reason names the versions of a newer major): an engine
+    # upgraded before the daemon must not vanish from the list.
+    refused = sorted(ts.refused.items())
     ts.stop()
-    if not views:
+    if not views and not refused:
         click.echo(
-            f"kvsidecar: no segments in {printable(shm_dir)} with prefix {printable(repr(prefix))}",
+            f"kvsidecar: {_none_found(shm_dir, 'with prefix ' + printable(repr(prefix)))}",
             err=True,
         )
         sys.exit(EXIT_NO_TARGET)
     now = time.monotonic_ns()
-    w = max([40, *(len(printable(v.name)) for v in views)])
+    w = max(
+        [40, *(len(printable(v.name)) for v in views), *(len(printable(n)) for n, _ in refused)]
+    )
     click.echo(f"{'SEGMENT':<{w}} {'STATE':<10} {'AGE':>8} {'GEN':>4} {'BYTES':>8}  ERROR")
     for v in views:
         age = v.age_seconds(now)
@@ -289,5 +317,13 @@ def ls(
         click.echo(
             f"{printable(v.name):<{w}} {v.state:<10} {'-' if age is None else f'{age:.1f}s':>8} "
             f"{gen:>4} {size:>8}  {printable(v.error)}"
+        )
+    for name, why in refused:
+        try:
+            size = os.stat(os.path.join(shm_dir, name), follow_symlinks=False).st_size
+        except OSError:
+            size = 0
+        click.echo(
+            f"{printable(name):<{w}} {'refused':<10} {'-':>8} {'-':>4} {size:>8}  {printable(why)}"
         )
     sys.exit(_exit_code(views))

@@ -15,7 +15,26 @@ from __future__ import annotations
 
 import click
 
-_VERSION = click.version_option(package_name="kvsidecar")
+
+def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+    """``kvsidecar, version 0.1.0 (revision <commit>)``; git is asked only when asked."""
+    if not value or ctx.resilient_parsing:
+        return
+    from kvsidecar import __version__
+    from kvsidecar.revision import revision
+
+    click.echo(f"{ctx.find_root().info_name}, version {__version__} (revision {revision()})")
+    ctx.exit()
+
+
+_VERSION = click.option(
+    "--version",
+    is_flag=True,
+    expose_value=False,
+    is_eager=True,
+    callback=_print_version,
+    help="Show the version and exit.",
+)
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})

@@ -39,6 +39,16 @@ def _segment_names(
     return names
 
 
+def _telemetry_path(value: str) -> str:
+    """A bad path is a usage error naming the option, not "cannot listen"."""
+    from kvsidecar.daemon.endpoints import telemetry_path_problem
+
+    problem = telemetry_path_problem(value)
+    if problem is not None:
+        raise click.BadParameter(f"{value!r}: {problem}")
+    return value
+
+
 @click.command()
 @shm_dir_option
 @prefix_option
@@ -98,6 +108,7 @@ def _segment_names(
     envvar=settings.WEB_TELEMETRY_PATH.name,
     default=settings.WEB_TELEMETRY_PATH.default,
     show_default=True,
+    callback=lambda ctx, param, value: _telemetry_path(value),
     help="Path of the metrics endpoint.",
 )
 @click.option(

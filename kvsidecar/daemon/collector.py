@@ -24,6 +24,7 @@ from kvsidecar.daemon import metric_defs as md
 from kvsidecar.daemon.budget import valid_value
 from kvsidecar.daemon.targets import STATES, TargetView
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
+from kvsidecar.revision import revision
 
 
 def rank_labels(view: TargetView) -> list[str]:
@@ -100,7 +101,9 @@ class SnapshotCollector:
                     "pp_size": str(r.pp_size),
                     "schema_version": r.schema_version,
                     "initialized": str(r.initialized).lower(),
-                    "pid": str(r.pid),
+                    # No pid: a label that changes at every engine restart would make a new
+                    # series each time (kvsidecar_engine_start_time_seconds marks restarts;
+                    # the pid is in /api/v1/snapshots and kvsidecar dump).
                 },
             )
         for _, fam in families:
@@ -215,7 +218,7 @@ class SnapshotCollector:
         sources.add_metric([], len(views))
         yield sources
         build = InfoMetricFamily("kvsidecar_build", defs["kvsidecar_build_info"].help)
-        build.add_metric([], {"version": __version__})
+        build.add_metric([], {"version": __version__, "revision": revision()})
         yield build
         if self._daemon_stats is not None:
             stats = self._daemon_stats()
@@ -239,6 +242,10 @@ class SnapshotCollector:
             for cause, n in sorted(stats.get("discovery_errors", {}).items()):
                 errors.add_metric([cause], n)
             yield errors
+            refused_file = _family(defs["kvsidecar_refused_file"], ("file", "reason"))
+            for name, reason in stats.get("refused_files", []):
+                refused_file.add_metric([name, reason], 1.0)
+            yield refused_file
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
 

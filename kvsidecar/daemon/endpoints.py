@@ -21,6 +21,13 @@ LANDING_PATH = "/"
 _RESERVED = (LANDING_PATH, SNAPSHOTS_PATH, server.HEALTHY_PATH, server.READY_PATH)
 
 
+def telemetry_path_problem(path: str) -> str | None:
+    """Why `path` cannot be the metrics endpoint's path, or None."""
+    if not path.startswith("/") or path in _RESERVED:
+        return f"it must start with / and not be {', '.join(_RESERVED)}"
+    return None
+
+
 class Handlers(Protocol):
     """What the endpoints need from the rest of the daemon."""
 
@@ -56,11 +63,9 @@ class WebServer(server.WebServer):
         version: str | None = None,
         **options: Any,
     ) -> None:
-        if not telemetry_path.startswith("/") or telemetry_path in _RESERVED:
-            raise ValueError(
-                f"invalid telemetry path {telemetry_path!r}: it must start with / "
-                f"and not be {', '.join(_RESERVED)}"
-            )
+        problem = telemetry_path_problem(telemetry_path)
+        if problem is not None:
+            raise ValueError(f"invalid telemetry path {telemetry_path!r}: {problem}")
         self.handlers = handlers
         self.telemetry_path = telemetry_path
         self.title = title

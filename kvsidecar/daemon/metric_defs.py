@@ -102,6 +102,15 @@ RUNTIME: tuple[MetricDef, ...] = (
         "last_publish_duration_ns",
         scale=1e-9,
     ),
+    MetricDef(
+        "kvsidecar_preemptions_total",
+        COUNTER,
+        "requests",
+        "Requests preempted (their KV freed to make room; recomputed when rescheduled), each "
+        "preemption counted once. Only where the engine preempts (vLLM).",
+        "preemptions_total",
+        anchor="vllm:num_preemptions_total",
+    ),
 )
 
 ENGINE_INFO = MetricDef(
@@ -109,7 +118,8 @@ ENGINE_INFO = MetricDef(
     INFO,
     "",
     "Static facts of a rank as labels (engine_version, device, dp/tp/pp sizes, schema, "
-    "initialized); value 1.",
+    "initialized); value 1. No pid label (it would mint a series at every engine restart: "
+    "the pid is in /api/v1/snapshots).",
     anchor="kvcached RuntimeSnapshot",
 )
 
@@ -303,8 +313,11 @@ POOL: tuple[MetricDef, ...] = (
     MetricDef(
         "kvsidecar_kv_pool_alloc_failures_total",
         COUNTER,
-        "requests",
-        "Allocations refused for lack of blocks.",
+        "attempts",
+        "Allocation attempts refused for lack of blocks: every failed attempt, so a request "
+        "retried each step counts each time (vLLM: allocate_slots calls that returned None; "
+        "375 for 8 preemptions in one run). Not a request count: see "
+        "kvsidecar_preemptions_total.",
         "alloc_failures_total",
     ),
     MetricDef(
@@ -656,8 +669,9 @@ DAEMON: tuple[MetricDef, ...] = (
         COUNTER,
         "files",
         "Discovered files refused, each counted once per file identity (label reason: "
-        "symlink, not_regular, foreign_owner, unreadable, vanished = gone before it could "
-        "be read, max_targets = over --max-targets). They mint no other series.",
+        "symlink, not_regular, foreign_owner, version = a newer major version, unreadable, "
+        "vanished = gone before it could be read, max_targets = over --max-targets). Each file "
+        "still refused has a kvsidecar_refused_file series.",
     ),
     MetricDef(
         "kvsidecar_discovery_up",
@@ -674,7 +688,13 @@ DAEMON: tuple[MetricDef, ...] = (
         "of descriptors or memory, by errno name (label cause, e.g. EACCES, EMFILE).",
     ),
     MetricDef("kvsidecar_sources", GAUGE, "", "Segments currently followed."),
-    MetricDef("kvsidecar_build_info", INFO, "", "kvsidecar version (label version); value 1."),
+    MetricDef(
+        "kvsidecar_build_info",
+        INFO,
+        "",
+        "kvsidecar version and source revision (labels version, revision: a git commit, or "
+        "unknown); value 1.",
+    ),
     MetricDef(
         "kvsidecar_poll_duration_seconds",
         GAUGE,
@@ -693,6 +713,15 @@ DAEMON: tuple[MetricDef, ...] = (
         HISTOGRAM,
         "seconds",
         "HTTP request duration (label handler).",
+    ),
+    MetricDef(
+        "kvsidecar_refused_file",
+        GAUGE,
+        "",
+        "1 for each file the daemon found but does not follow (labels file, reason: version = "
+        "a newer major layout/schema version, unreadable, symlink, not_regular, foreign_owner, "
+        "max_targets); `kvsidecar ls` says why. At most --max-targets series, by file name: "
+        "kvsidecar_refused_segments has the full count.",
     ),
 )
 

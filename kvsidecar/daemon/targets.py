@@ -16,6 +16,7 @@ failing ``listdir`` keeps every known target (see docs/security.md).
 from __future__ import annotations
 
 import errno
+import heapq
 import logging
 import os
 import stat
@@ -61,7 +62,8 @@ REFUSAL_REASONS = (
     "symlink",
     "not_regular",
     "foreign_owner",
-    "unreadable",  # the reader refused it: permissions, newer major version, ...
+    "version",  # a newer (or older) major layout or schema version: upgrade the daemon
+    "unreadable",  # the reader refused it: permissions, bad name, ...
     "vanished",  # gone before it could be read
     "max_targets",
 )
@@ -157,7 +159,9 @@ class Target:
                 if view.state == UP or view.error_kind == CLOSED_KIND
                 else logging.WARNING
             )
-            log.log(level, "%s: %s -> %s %s", self.name, self.view.state, view.state, view.error)
+            # The error names the segment itself ("segment NAME: ..."): not twice per line.
+            why = view.error.removeprefix(f"segment {self.name}: ")
+            log.log(level, "%s: %s -> %s%s", self.name, self.view.state, view.state, _sep(why))
         self.view = view
         return view
 
@@ -295,6 +299,11 @@ class _Refused:
     uid: int = -1  # the owner, for a foreign_owner message that names it
 
 
+def _sep(why: str) -> str:
+    """ ": why" for a log line, nothing when there is no why (no trailing space)."""
+    return f": {why}" if why else ""
+
+
 def _transient_cause(error: str) -> str | None:
     for text, cause in _TRANSIENT.items():
         if error.endswith(text):
@@ -353,6 +362,7 @@ class TargetSet:
         self._pending_example = ""
         self._last_summary = float("-inf")
         self._error_logged: dict[str, float] = {}
+        self._waiting_logged = False  # "the default directory does not exist yet", once
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -367,6 +377,17 @@ class TargetSet:
     @property
     def refused_count(self) -> int:
         return len(self._refused)
+
+    def refused_files(self, limit: int) -> list[tuple[str, str]]:
+        """(name, reason) of the first `limit` refused files by name: one health series
+        each, bounded however many files others put in the directory."""
+        out = []
+        # list() copies the keys atomically; the poller may change the dict meanwhile.
+        for name in heapq.nsmallest(limit, list(self._refused)):
+            entry = self._refused.get(name)
+            if entry is not None:
+                out.append((name, entry.reason))
+        return out
 
     def _message(self, name: str, reason: str, uid: int = -1) -> str:
         path = os.path.join(self.shm_dir, name)
@@ -407,6 +428,12 @@ class TargetSet:
                 return
             # The agent creates the default directory with the first engine: until then
             # there is no segment (not an error), and nothing known can be kept either.
+            if not self._waiting_logged:  # once: say where we look, or nothing shows it
+                log.info(
+                    "%s does not exist yet: no segments until the first engine's agent creates it",
+                    self.shm_dir,
+                )
+                self._waiting_logged = True
             self._discovery_ok()
             self._dir_key = None
             self._rescan({})
@@ -484,7 +511,13 @@ class TargetSet:
                     return  # unchanged since it was refused
                 reason = self._classify(st)
                 if reason is not None:
-                    self._refuse(name, reason, ino, key, uid=st.st_uid)
+                    # A directory is not a FIFO or a device: say what it is (rare: kept).
+                    why = (
+                        f"{self.shm_dir}/{name} is a directory: refused"
+                        if stat.S_ISDIR(st.st_mode)
+                        else None
+                    )
+                    self._refuse(name, reason, ino, key, why, uid=st.st_uid)
                     return
             if len(self.targets) >= self.max_targets:
                 self._refuse(name, "max_targets", ino, key)
@@ -510,10 +543,13 @@ class TargetSet:
                     self.discovery_errors_total = _bump(self.discovery_errors_total, cause)
                     self._log_error(cause, f"cannot open segments: {view.error}")
                     return
-                self._refuse(name, "unreadable", ino, key, view.error)
+                reason = "version" if view.error_kind == "version_mismatch" else "unreadable"
+                self._refuse(name, reason, ino, key, view.error)
                 return
         if view.state != NOT_READY:
-            log.info("%s: found, %s %s", name, view.state, view.error)
+            why = view.error.removeprefix(f"segment {name}: ")
+            level = logging.INFO if view.state == UP else logging.WARNING  # corrupt, stale, ...
+            log.log(level, "%s: found, %s%s", name, view.state, _sep(why))
         self._refused.pop(name, None)
         self.targets[name] = target
 
@@ -552,6 +588,8 @@ class TargetSet:
         """One log line per interval for every refusal since the last one."""
         if not self._pending or now - self._last_summary < self.summary_interval:
             return
+        if self.summary_interval == float("inf"):
+            return  # dump/ls list the refusals themselves: no second copy in a log line
         total = sum(self._pending.values())
         kinds = ", ".join(f"{n} {r}" for r, n in sorted(self._pending.items()))
         example = self._pending_example

@@ -76,6 +76,10 @@ class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # several pools report counts without request ids). requests_deferred_free above keeps
     # its v1.0 meaning (0 when unsupported) for older readers.
     requests_deferred_free_distinct: int | None = None
+    # -- v1.4 ------------------------------------------------------------------
+    # Requests preempted (KV freed to make room, recomputed later) since the agent started;
+    # None where the engine has no preemption or the writer cannot see it.
+    preemptions_total: int | None = None
 
 
 class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):

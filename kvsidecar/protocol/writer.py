@@ -39,6 +39,7 @@ import stat
 import struct
 import time
 import weakref
+from collections.abc import Collection
 
 import msgspec
 
@@ -227,49 +228,10 @@ class SegmentWriter:
             self._install_unlock(lock)
 
     def _install_lock(self) -> int:
-        """Take ``.<name>.lock``: serializes writers installing or removing this name.
-
-        0600, so no reader or other user can open (let alone hold) it. Unlinked by whoever
-        releases it, so a holder re-checks that the path still names its inode.
-        """
-        path = f".{self.name}.lock"
-        full = os.path.join(self.shm_dir, path)
-        deadline = time.monotonic() + _INSTALL_LOCK_WAIT_S
-        flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
-        while True:
-            try:
-                lfd = os.open(path, flags, 0o600, dir_fd=self._dir_fd)
-            except OSError as e:
-                _raise_foreign(full, self._dir_fd, path, e)
-            st = os.fstat(lfd)
-            if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
-                os.close(lfd)
-                raise _squatted(full, st.st_uid)
-            try:
-                liveness.lock_for_life(lfd)
-            except BlockingIOError:
-                os.close(lfd)
-                if time.monotonic() > deadline:
-                    raise SegmentBusyError(
-                        f"segment {self.name}: another writer holds {full} (starting or "
-                        "closing under this name): give this rank a distinct name or retry"
-                    ) from None
-                time.sleep(0.001)
-                continue
-            try:
-                same = os.stat(path, dir_fd=self._dir_fd, follow_symlinks=False).st_ino == st.st_ino
-            except FileNotFoundError:
-                same = False
-            if same:
-                return lfd
-            os.close(lfd)  # released and unlinked while we waited: take the new one
+        return _install_lock(self._dir_fd, self.shm_dir, self.name)
 
     def _install_unlock(self, lfd: int) -> None:
-        try:
-            os.unlink(f".{self.name}.lock", dir_fd=self._dir_fd)
-        except OSError:
-            pass
-        os.close(lfd)
+        _install_unlock(self._dir_fd, self.name, lfd)
 
     def _predecessor_generation(self) -> int:
         """Generation of a dead segment we are about to replace; refuse anything else."""
@@ -417,6 +379,118 @@ class SegmentWriter:
             self.close()
         except Exception:
             pass
+
+
+def _install_lock(dir_fd: int, shm_dir: str, name: str) -> int:
+    """Take ``.<name>.lock``: serializes writers installing or removing this name.
+
+    0600, so no reader or other user can open (let alone hold) it. Unlinked by whoever
+    releases it, so a holder re-checks that the path still names its inode.
+    """
+    path = f".{name}.lock"
+    full = os.path.join(shm_dir, path)
+    deadline = time.monotonic() + _INSTALL_LOCK_WAIT_S
+    flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    while True:
+        try:
+            lfd = os.open(path, flags, 0o600, dir_fd=dir_fd)
+        except OSError as e:
+            _raise_foreign(full, dir_fd, path, e)
+        st = os.fstat(lfd)
+        if st.st_uid != os.geteuid() or not stat.S_ISREG(st.st_mode):
+            os.close(lfd)
+            raise _squatted(full, st.st_uid)
+        try:
+            liveness.lock_for_life(lfd)
+        except BlockingIOError:
+            os.close(lfd)
+            if time.monotonic() > deadline:
+                raise SegmentBusyError(
+                    f"segment {name}: another writer holds {full} (starting or "
+                    "closing under this name): give this rank a distinct name or retry"
+                ) from None
+            time.sleep(0.001)
+            continue
+        try:
+            same = os.stat(path, dir_fd=dir_fd, follow_symlinks=False).st_ino == st.st_ino
+        except FileNotFoundError:
+            same = False
+        if same:
+            return lfd
+        os.close(lfd)  # released and unlinked while we waited: take the new one
+
+
+def _install_unlock(dir_fd: int, name: str, lfd: int) -> None:
+    try:
+        os.unlink(f".{name}.lock", dir_fd=dir_fd)
+    except OSError:
+        pass
+    os.close(lfd)
+
+
+def close_for_writers(shm_dir: str, pids: Collection[int], *, dead_only: bool = True) -> list[str]:
+    """Do a writer's close() for it: mark CLOSED and unlink each segment in shm_dir whose
+    header names one of pids as its writer (and, with dead_only, whose writer lock nobody
+    holds any more).
+
+    For a supervisor stopping its own children: vLLM's process manager SIGKILLs an engine
+    core right after SIGTERM (``--shutdown-timeout 0``), before it can close its segment, and
+    a stop would otherwise read as a crash. ``dead_only=False`` is for the moment just before
+    such a kill (the writer is still alive but about to go). Never touches another user's
+    file or a name a new writer has taken since. Returns the names closed.
+    """
+    closed: list[str] = []
+    if not pids:
+        return closed
+    try:
+        dir_fd = os.open(shm_dir, os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except OSError:
+        return closed
+    try:
+        for name in os.listdir(dir_fd):
+            if not name.startswith(".") and _close_for(dir_fd, shm_dir, name, pids, dead_only):
+                closed.append(name)
+    finally:
+        os.close(dir_fd)
+    return sorted(closed)
+
+
+def _close_for(
+    dir_fd: int, shm_dir: str, name: str, pids: Collection[int], dead_only: bool
+) -> bool:
+    flags = os.O_RDWR | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC
+    try:
+        fd = os.open(name, flags, dir_fd=dir_fd)
+    except OSError:
+        return False  # a symlink, FIFO, another user's file, gone: not ours to close
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
+            return False
+        raw = os.pread(fd, layout.HEADER_LEN, 0)
+        if len(raw) != layout.HEADER_LEN or raw[:8] != layout.MAGIC:
+            return False
+        if layout.Header(raw).writer_pid not in pids:
+            return False
+        if dead_only and liveness.write_locked(fd):
+            return False
+        try:
+            lock = _install_lock(dir_fd, shm_dir, name)  # no successor is installing
+        except (OSError, SegmentError):
+            return False
+        try:
+            same = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == st.st_ino
+            if not same or (dead_only and liveness.write_locked(fd)):
+                return False
+            os.pwrite(fd, bytes([layout.STATE_CLOSED]), layout.OFF_STATE)  # readers' maps see it
+            os.unlink(name, dir_fd=dir_fd)
+            return True
+        except OSError:
+            return False
+        finally:
+            _install_unlock(dir_fd, name, lock)
+    finally:
+        os.close(fd)
 
 
 def _after_fork(ref: weakref.ref[SegmentWriter]) -> None:

@@ -43,6 +43,23 @@ class _TLS:
         return True
 
 
+# The first five bytes of a plain HTTP request (what Go's net/http checks), and its reply:
+# an empty reply left curl and browsers guessing (exporter-toolkit answers the same 400).
+_PLAIN_HTTP = frozenset({b"GET /", b"HEAD ", b"POST ", b"PUT /", b"OPTIO"})
+_PLAIN_HTTP_REPLY = (
+    b"HTTP/1.0 400 Bad Request\r\n\r\nClient sent an HTTP request to an HTTPS server.\n"
+)
+
+
+async def _plain_http(writer: asyncio.StreamWriter) -> None:
+    writer.write(_PLAIN_HTTP_REPLY)
+    try:
+        await writer.drain()
+    except OSError:
+        pass
+    writer.close()
+
+
 async def handshake(
     ctx: ssl.SSLContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
 ) -> tuple[TLSReader, TLSWriter]:
@@ -56,8 +73,13 @@ async def handshake(
         length = int.from_bytes(header[3:5], "big")
         whole = header[0] == 0x16 and length <= 16384 + 2048  # a handshake record, sane size
         first = header + (await reader.readexactly(length) if whole else b"")
-    except asyncio.IncompleteReadError:
+    except asyncio.IncompleteReadError as e:
+        if e.partial[:5] in _PLAIN_HTTP:  # "GET /\r\n" and the like: shorter than a record
+            await _plain_http(writer)
         raise ConnectionResetError("client closed during the TLS handshake") from None
+    if header in _PLAIN_HTTP:
+        await _plain_http(writer)
+        raise ssl.SSLError("plain HTTP request to the HTTPS port (answered 400)")
     tls = _TLS(ctx, reader, writer)
     tls.incoming.write(first)  # anything else: OpenSSL refuses it with an alert
     while True:

@@ -1,7 +1,6 @@
-"""deploy/Containerfile: daemon-only image. No container engine is needed:
-
-the structure is checked statically, and the builder's `pip wheel` and the
-runtime's `pip install` lines are replayed into a fresh venv.
+"""deploy/Containerfile (daemon-only image) and deploy/Containerfile.vllm (vLLM's image with
+the plugin). No container engine is needed: the structure is checked statically, and each
+builder's and runtime's pip lines are replayed into a fresh venv.
 """
 
 from __future__ import annotations
@@ -21,6 +20,7 @@ import pytest
 from .support import DEPLOY, REPO, run
 
 CONTAINERFILE = DEPLOY / "Containerfile"
+CONTAINERFILES = [CONTAINERFILE, DEPLOY / "Containerfile.vllm"]
 DOCKERIGNORE = DEPLOY / "Containerfile.dockerignore"
 
 
@@ -76,7 +76,7 @@ def pip_commands(run_arg: str) -> list[list[str]]:
     out = []
     for part in re.split(r"&&|;", run_arg):
         words = shlex.split(part)
-        if words[:3] == ["python", "-m", "pip"]:
+        if words[:3] in (["python", "-m", "pip"], ["python3", "-m", "pip"]):
             out.append(words[3:])
         elif words[:1] in (["pip"], ["pip3"]):
             out.append(words[1:])
@@ -88,13 +88,21 @@ def parsed():
     return parse(CONTAINERFILE.read_text())
 
 
+@pytest.fixture(scope="module", params=CONTAINERFILES, ids=lambda p: p.name)
+def each(request):
+    return parse(request.param.read_text())
+
+
 def test_stages(parsed) -> None:
     args, stages = parsed
     assert len(stages) == 2, "builder + runtime"
     builder, final = stages
     assert builder.name and final.name is None
     for stage in stages:
-        assert expand(stage.base, args) == "python:3.11-slim"
+        # An exact patch release and Debian release, never a moving tag like 3.11-slim.
+        assert re.fullmatch(
+            r"python:3\.\d+\.\d+-slim-[a-z]+(@sha256:[0-9a-f]{64})?", expand(stage.base, args)
+        )
     builder_runs = " ".join(builder.all("RUN"))
     assert "gcc" in builder_runs and "pip wheel" in builder_runs
     final_runs = " ".join(final.all("RUN"))
@@ -180,9 +188,9 @@ def stage_build_context(stage: Stage, dest_root: Path) -> Path:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_runtime_install_in_fresh_venv(parsed, tmp_path: Path) -> None:
+def test_runtime_install_in_fresh_venv(each, tmp_path: Path) -> None:
     """Builder `pip wheel` + runtime `pip install`, replayed in a fresh venv."""
-    _, (builder, final) = parsed
+    _, (builder, final) = each
     venv = tmp_path / "venv"
     proc = run([sys.executable, "-m", "venv", str(venv)], timeout=120)
     assert proc.returncode == 0, proc.stderr
@@ -198,7 +206,7 @@ def test_runtime_install_in_fresh_venv(parsed, tmp_path: Path) -> None:
 
     src = stage_build_context(builder, tmp_path / "builder")
     builder_cmds = [c for r in builder.all("RUN") for c in pip_commands(r)]
-    assert [c[0] for c in builder_cmds] == ["wheel"]
+    assert builder_cmds[-1][0] == "wheel"
     for cmd in builder_cmds:
         proc = run([py, "-m", "pip", *localise(cmd, src)], timeout=600, cwd=src)
         assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
@@ -215,21 +223,76 @@ def test_runtime_install_in_fresh_venv(parsed, tmp_path: Path) -> None:
     env = {
         k: v for k, v in os.environ.items() if k not in {"PYTHONPATH", "PYTHONHOME", "VIRTUAL_ENV"}
     }
+    # The plugin image installs --no-deps: vLLM's image brings msgspec, torch and the rest.
+    plugin = "--no-deps" in final_cmds[-1]
+    imports = "kvsidecar.protocol._seqlock" if plugin else "kvsidecar.cli.main"
     proc = run(
-        [
-            py,
-            "-c",
-            "import kvsidecar, kvsidecar.cli.main, kvsidecar.protocol._seqlock;"
-            " print(kvsidecar.__file__)",
-        ],
+        [py, "-c", f"import kvsidecar, {imports}; print(kvsidecar.__file__)"],
         cwd=tmp_path,
         env=env,
     )
     assert proc.returncode == 0, proc.stderr
     assert str(venv) in proc.stdout, f"imported the wrong kvsidecar: {proc.stdout}"
+    if plugin:
+        return
     proc = run([py, "-c", "import torch"], cwd=tmp_path, env=env)
     assert proc.returncode != 0 and "No module named 'torch'" in proc.stderr, (
         "torch must not be installed"
     )
     proc = run([str(venv / "bin" / "kvsidecar"), "--help"], cwd=tmp_path, env=env)
     assert proc.returncode == 0, proc.stderr
+
+
+def _requirements(path: Path) -> dict[str, list[str]]:
+    """name -> [specifier and hashes] of a pip requirements file (continuations joined)."""
+    text = re.sub(r"\\\n", " ", path.read_text())
+    out = {}
+    for line in text.splitlines():
+        line = line.split("#", 1)[0].strip()
+        if line:
+            words = line.split()
+            out[re.split(r"[=<>!~\[]", words[0], maxsplit=1)[0].lower()] = words
+    return out
+
+
+def test_every_fetch_is_pinned_by_hash(each) -> None:
+    """Each pip command fetches only hash-pinned requirements, or nothing (--no-index, or a
+    local build with --no-deps --no-build-isolation): no name resolved from an index."""
+    _, stages = each
+    for cmd in (c for s in stages for r in s.all("RUN") for c in pip_commands(r)):
+        if "--no-index" in cmd:
+            continue
+        if "." in cmd:
+            assert "--no-deps" in cmd and "--no-build-isolation" in cmd, cmd
+            continue
+        assert "--require-hashes" in cmd and "-r" in cmd, f"unpinned: pip {' '.join(cmd)}"
+        reqs = _requirements(REPO / cmd[cmd.index("-r") + 1])
+        assert reqs
+        for name, words in reqs.items():
+            assert re.fullmatch(rf"{re.escape(name)}==[\w.]+", words[0], re.I), words
+            assert any(re.fullmatch(r"--hash=sha256:[0-9a-f]{64}", w) for w in words), words
+
+
+def test_pinned_dependencies_are_the_declared_ones() -> None:
+    """deploy/requirements.txt pins exactly pyproject's runtime dependencies, within range."""
+    import tomllib
+    from packaging.requirements import Requirement
+
+    declared = {
+        Requirement(d).name.lower(): Requirement(d)
+        for d in tomllib.loads((REPO / "pyproject.toml").read_text())["project"]["dependencies"]
+    }
+    pinned = _requirements(DEPLOY / "requirements.txt")
+    assert pinned.keys() == declared.keys()
+    for name, words in pinned.items():
+        version = words[0].split("==", 1)[1]
+        assert declared[name].specifier.contains(version), (name, version)
+
+
+def test_oci_labels(each) -> None:
+    args, stages = each
+    labels = " ".join(stages[-1].all("LABEL"))
+    for key in ("title", "version", "revision", "licenses", "base.name", "description"):
+        assert f"org.opencontainers.image.{key}=" in labels, key
+    assert 'org.opencontainers.image.licenses="Apache-2.0"' in labels
+    assert args.get("REVISION") is not None, "REVISION is a build argument"

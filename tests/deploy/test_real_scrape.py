@@ -7,6 +7,7 @@ so every field the agent supports is populated, as in production.
 from __future__ import annotations
 
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -32,6 +33,8 @@ DEPLOY = HERE.parent.parent / "deploy"
 
 
 def _scraped_names(shm_dir: str) -> set[str]:
+    # A file the daemon refuses (a FIFO), so the per-file refusal series is in the scrape.
+    os.mkfifo(os.path.join(shm_dir, "kvsidecar.refused"))
     engine = subprocess.Popen(
         [sys.executable, "-m", "tests.agent_loop", shm_dir, "200"],
         stdout=subprocess.PIPE,

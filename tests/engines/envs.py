@@ -14,6 +14,7 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -69,3 +70,16 @@ def run_json_helper(name: str, helper: str, args: list[str], *, timeout: float) 
     out = json.loads(lines[-1])
     out["rc"], out["stdout"] = proc.returncode, proc.stdout
     return out
+
+
+def vllm_server_env(shm: Path, tmp_path_factory: Any) -> dict[str, str]:
+    """A real vLLM server's environment: offline CPU settings, a model cache shared by the
+    session's servers, segments in `shm`, and the plugin found by its entry point alone."""
+    from kvsidecar.bench import vllm as vb
+
+    env = {
+        **vb.engine_env(cache_root=str(tmp_path_factory.getbasetemp() / "vllm-cache")),
+        "KVSIDECAR_SHM_DIR": str(shm),
+    }
+    env.pop("VLLM_PLUGINS", None)
+    return env

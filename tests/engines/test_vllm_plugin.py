@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import re
 
 import pytest
 
@@ -182,3 +183,37 @@ def test_pass_through_override_is_checked_at_the_method_it_forwards_to():
     assert plugin.signature_mismatch(Forwards, "Scheduler").startswith(
         "Scheduler._free_blocks(request, fence_seq)"
     )
+
+
+_DISABLED_LINE = """
+import logging, sys
+import vllm.logger
+from vllm.config.logging import LoggingConfig
+vllm.logger.configure_logging(LoggingConfig())  # what every vLLM process does at start
+from kvsidecar.agent.engines import vllm as plugin
+plugin.register()
+from kvsidecar.agent import KVSidecarAgent
+agent = KVSidecarAgent("vllm", "m", shm_dir=sys.argv[1])
+print("ENABLED", agent.enabled, flush=True)
+"""
+
+
+@pytest.mark.timeout(300)
+def test_agent_lines_go_through_vllms_logger(tmp_path):
+    """The agent's own lines (here "agent disabled": its directory is a file) come out
+    through ``vllm.kvsidecar`` in vLLM's format, once, not bare from ``kvsidecar.agent``."""
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    proc = run_in_engine_env(
+        "vllm",
+        ["-c", _DISABLED_LINE, str(not_a_dir)],
+        timeout=280,
+        env={"VLLM_CONFIGURE_LOGGING": "1"},
+    )
+    assert "ENABLED False" in proc.stdout, (proc.stdout[-2000:], proc.stderr[-4000:])
+    lines = [ln for ln in (proc.stdout + proc.stderr).splitlines() if "agent disabled" in ln]
+    assert len(lines) == 1, lines
+    # vLLM's format: "(<process> pid=N) WARNING mm-dd hh:mm:ss [file.py:line] message".
+    assert re.search(
+        r"WARNING \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] kvsidecar agent disabled", lines[0]
+    ), lines

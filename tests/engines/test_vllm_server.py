@@ -19,7 +19,7 @@ import pytest
 
 from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
-from tests.engines.envs import engine_python
+from tests.engines.envs import engine_python, vllm_server_env
 
 HOLD_S = 4.0
 MODEL = "tiny"
@@ -32,11 +32,7 @@ def stack(tmp_path_factory):
     shm = tmp / "shm"
     shm.mkdir()
     port = fleet.free_port()
-    env = {
-        **vb.engine_env(cache_root=str(tmp_path_factory.getbasetemp() / "vllm-cache")),
-        "KVSIDECAR_SHM_DIR": str(shm),
-    }
-    env.pop("VLLM_PLUGINS", None)
+    env = vllm_server_env(shm, tmp_path_factory)
     cmd = vb.server_command(
         python,
         vb.write_model(tmp / "model"),

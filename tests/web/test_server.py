@@ -312,9 +312,8 @@ def test_tls(serve: Callable[..., WebServer], pki: Path) -> None:
     assert server.tls
     status, _, body = request(server, "/metrics", context=client_context(pki))
     assert (status, body) == (200, METRICS)
-    # Plain HTTP to the TLS port fails fast instead of hanging.
-    with pytest.raises((ConnectionError, http.client.HTTPException, OSError)):
-        request(server, "/metrics", timeout=3)
+    # Plain HTTP to the TLS port is answered at once: 400, as Go exporters do.
+    assert request(server, "/metrics", timeout=3)[0] == 400
 
 
 @pytest.mark.filterwarnings("ignore:ssl.TLSVersion.TLSv1:DeprecationWarning")
@@ -621,3 +620,14 @@ def test_web_config_reload(serve: Callable[..., WebServer], tmp_path: Path) -> N
     path.write_text("basic_auth_users: {carol: not-a-hash}\n")  # broken: keep the last good one
     assert request(server, "/metrics", auth="bob:right")[0] == 200
     assert request(server, "/metrics")[0] == 401
+
+
+def test_plain_http_to_the_tls_port_gets_400(serve: Callable[..., WebServer], pki: Path) -> None:
+    """As Go exporters answer (issue #23): not an empty reply that leaves curl guessing."""
+    server = serve(web_config=tls_config(pki))
+    for req in (b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n", b"HEAD / HTTP/1.0\r\n\r\n"):
+        reply = raw(server, req)
+        assert reply.startswith(b"HTTP/1.0 400 Bad Request\r\n"), reply
+        assert b"Client sent an HTTP request to an HTTPS server." in reply
+    assert tls_handshake(server, client_context(pki)) == "TLSv1.3"  # TLS still served
+    assert raw(server, b"\x00\x01\x02\x03\x04garbage") == b""  # not HTTP: just closed
