@@ -272,7 +272,9 @@ class _Front:
             status, body = 200, b"OK"  # always, never behind auth: probes carry no credentials
         elif path == READY_PATH:
             ok, reason = await self._ready()
-            status, body = (200, b"OK") if ok else (503, (reason or "not ready").encode())
+            # The reason either way: a 200 can still carry a warning (discovery failing).
+            status = 200 if ok else 503
+            body = (reason or ("OK" if ok else "not ready")).encode()
         elif state.bucket is not None and not state.bucket.allow():
             status, body = 429, b"429 too many requests\n"
         elif (
