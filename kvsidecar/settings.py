@@ -162,7 +162,8 @@ WEB_MAX_REQUESTS = _s(
     "WEB_MAX_REQUESTS",
     "int",
     40,
-    "concurrent HTTP requests before 503 (0 = no limit)",
+    "concurrent HTTP requests; more wait their turn (fair per client address) up to 5 s, "
+    "then 503 (0 = no limit)",
     DAEMON,
     flag="--web.max-requests",
 )

@@ -107,7 +107,10 @@ def _segment_names(
     default=settings.WEB_MAX_REQUESTS.default,
     show_default=True,
     envvar=settings.WEB_MAX_REQUESTS.name,
-    help="Concurrent requests served before answering 503 (0 = no limit).",
+    help=(
+        "Concurrent requests; more wait their turn (fair per client address) up to 5 s, "
+        "then 503 (0 = no limit)."
+    ),
 )
 @trust_options
 @click.option(
