@@ -194,6 +194,15 @@ READY_REQUIRES_SOURCE = _s(
     DAEMON,
     flag="--ready-requires-source",
 )
+HOLD_ON_ERROR = _s(
+    "HOLD_ON_ERROR",
+    "bool",
+    False,
+    "on a start-up error, log it and stay up until SIGTERM instead of exiting "
+    "(a Kubernetes sidecar that exits holds the engine back)",
+    DAEMON,
+    flag="--hold-on-error",
+)
 WEB_DISABLE_EXPORTER_METRICS = _s(
     "WEB_DISABLE_EXPORTER_METRICS",
     "bool",

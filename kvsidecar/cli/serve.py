@@ -120,6 +120,16 @@ def _segment_names(
     help="/-/ready answers 503 until at least one segment is up.",
 )
 @click.option(
+    "--hold-on-error",
+    is_flag=True,
+    envvar=settings.HOLD_ON_ERROR.name,
+    help=(
+        "On a start-up error (bad web config, address in use, bad directory), log it and "
+        "stay up until SIGTERM instead of exiting: a Kubernetes native sidecar that exits "
+        "would hold the engine back and take the Pod out of Ready."
+    ),
+)
+@click.option(
     "--web.disable-exporter-metrics",
     "disable_exporter_metrics",
     is_flag=True,
@@ -181,6 +191,7 @@ def serve(
     allow_uids: tuple[int, ...],
     allow_any_uid: bool,
     ready_requires_source: bool,
+    hold_on_error: bool,
     disable_exporter_metrics: bool,
     max_targets: int,
     max_pools_per_rank: int,
@@ -208,14 +219,17 @@ def serve(
     signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
     # A missing default directory only means no engine has started yet (the agent creates
     # it): serve and wait, as under systemd at boot. Any other missing directory is a typo.
-    require_dir(shm_dir)
+    try:
+        require_dir(shm_dir)
+    except SystemExit as e:
+        _exit(e.code if isinstance(e.code, int) else EXIT_USAGE, hold_on_error)
     # Env twins of repeatable flags are space-separated (click splits them).
     addresses = [a for item in listen_addresses for a in item.split()]
     try:
         web_config = load_web_config(web_config_file) if web_config_file else None
     except WebConfigError as e:
         click.echo(f"kvsidecar: {e}", err=True)
-        sys.exit(EXIT_USAGE)
+        _exit(EXIT_USAGE, hold_on_error)
     allowed = allowed_uids(allow_uids, allow_any_uid)
     targets = TargetSet(
         shm_dir,
@@ -262,7 +276,7 @@ def serve(
                 f"e.g. :{_suggest(addresses)}"
             )
         click.echo(f"kvsidecar: cannot listen on {' '.join(addresses)}: {why}", err=True)
-        sys.exit(EXIT_USAGE)
+        _exit(EXIT_USAGE, hold_on_error)
     targets.poll_all()
     targets.start()
     scheme = "https" if server.tls else "http"
@@ -292,6 +306,20 @@ def serve(
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
     server.shutdown()
     targets.stop()
+
+
+def _exit(code: int, hold: bool) -> None:
+    """Exit with ``code`` now, or with --hold-on-error once SIGTERM/SIGINT arrives: the
+    error is already on stderr, and a process that stays up keeps a Kubernetes sidecar
+    "started" and ready, so the engine starts and keeps serving (docs/operations.md)."""
+    if hold:
+        click.echo("kvsidecar: --hold-on-error: staying up, not serving, until SIGTERM", err=True)
+        stopping = StopFlag()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda _signum, _frame: stopping.set())
+        while not stopping.wait(1.0):
+            pass
+    sys.exit(code)
 
 
 def _suggest(addresses: list[str]) -> int:
