@@ -245,6 +245,15 @@ MAX_SERIES_PER_TARGET = _s(
     DAEMON,
     flag="--max-series-per-target",
 )
+MAX_EXPOSITION_BYTES = _s(
+    "MAX_EXPOSITION_BYTES",
+    "int",
+    3 * 1024 * 1024,
+    "daemon-wide budget: estimated exposition size of all targets together; above it "
+    "the largest are shed (never the last one)",
+    DAEMON,
+    flag="--max-exposition-bytes",
+)
 MAX_PAYLOAD_BYTES = _s(
     "MAX_PAYLOAD_BYTES",
     "int",

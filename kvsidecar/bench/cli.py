@@ -444,6 +444,23 @@ def scrapeflood_cmd(quick: bool, out: str, scrapers: int) -> None:
     report.write_json(out, "scrapeflood", r)
 
 
+@bench.command(name="aggregate")
+@quick_option
+@out_option
+def aggregate_cmd(quick: bool, out: str) -> None:
+    """Daemon RSS with N maximal conforming targets, N = 1..32 (the daemon-wide budget, #24)."""
+    from kvsidecar.bench import aggregate
+
+    r = aggregate.run(quick=quick)
+    report.print_table(
+        f"aggregate: N targets of {r['payload_bytes']:,} B (64 pools, 256-character labels)",
+        ["targets", "served", "peak RSS MB", "scrape ms", "body bytes", "status"],
+        [[p["targets"], p["served"], p["peak_rss_mb"], p["scrape_ms"], p["body_bytes"],
+          p["scrape_status"]] for p in r["points"]],
+    )  # fmt: skip
+    report.write_json(out, "aggregate", r)
+
+
 @bench.command(name="vllm")
 @quick_option
 @out_option

@@ -169,6 +169,17 @@ def _segment_names(
     help="A segment that would export more series is refused.",
 )
 @click.option(
+    "--max-exposition-bytes",
+    type=click.IntRange(64 * 1024),
+    default=settings.MAX_EXPOSITION_BYTES.default,
+    show_default=True,
+    envvar=settings.MAX_EXPOSITION_BYTES.name,
+    help=(
+        "Daemon-wide budget: the estimated exposition size of all targets together; above "
+        "it the largest targets are refused (shed) with a reason, never the last one."
+    ),
+)
+@click.option(
     "--max-payload-bytes",
     type=click.IntRange(4096),
     default=settings.MAX_PAYLOAD_BYTES.default,
@@ -197,6 +208,7 @@ def serve(
     max_pools_per_rank: int,
     max_label_length: int,
     max_series_per_target: int,
+    max_exposition_bytes: int,
     max_payload_bytes: int,
     log_level: str,
     log_format: str,
@@ -244,6 +256,7 @@ def serve(
             max_pools_per_rank=max_pools_per_rank,
             max_label_length=max_label_length,
             max_series_per_target=max_series_per_target,
+            max_exposition_bytes=max_exposition_bytes,
         ),
         max_targets=max_targets,
         confirm_after=rediscover_interval,

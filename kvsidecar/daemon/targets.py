@@ -25,7 +25,14 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
-from kvsidecar.daemon.budget import BoundedSnapshotDecoder, Budget, OverBudget, check, sanitize
+from kvsidecar.daemon.budget import (
+    BoundedSnapshotDecoder,
+    Budget,
+    OverBudget,
+    check,
+    exposition_estimate,
+    sanitize,
+)
 from kvsidecar.discovery import scan_segments
 from kvsidecar.protocol import _seqlock, layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR
@@ -127,6 +134,8 @@ class Target:
         # The reader decodes through this: too many pools are refused before a record is built.
         self.reader._decoder = BoundedSnapshotDecoder(self.budget.max_pools_per_rank)  # type: ignore[assignment]
         self.view = TargetView(name=name)
+        self.cost = 0  # exposition_estimate of the last good snapshot: the aggregate budget
+        self.shed = ""  # why the aggregate budget sheds it ("" = served)
         self._incarnation = 0
         self._checked: tuple[int, int] | None = None  # (incarnation, seq) of v.last's snapshot
 
@@ -197,6 +206,9 @@ class Target:
             if rejected:
                 result = msgspec.structs.replace(result, snapshot=snapshot)  # a Struct
             self._checked = key
+            self.cost = exposition_estimate(result.snapshot, self.name)
+        if self.shed:  # read (for its size) but not kept, nor exported
+            return self._shed_view(v, now)
         restarts = v.writer_restarts_total
         if self._incarnation and result.incarnation != self._incarnation:
             restarts += 1
@@ -226,6 +238,17 @@ class Target:
             writer_restarts_total=restarts,
             read_retries_total=v.read_retries_total + result.attempts - 1,
             rejected_values_total=values,
+        )
+
+    def _shed_view(self, v: TargetView, now: int) -> TargetView:
+        return replace(
+            v,
+            state=REFUSED,
+            error=f"segment {self.name}: over budget: {self.shed}",
+            error_kind=OVER_BUDGET,
+            last=None,
+            last_poll_mono_ns=now,
+            budget_refusals_total=_bump(v.budget_refusals_total, "total"),
         )
 
     def _over_budget(self, v: TargetView, e: OverBudget, now: int) -> TargetView:
@@ -574,10 +597,40 @@ class TargetSet:
                 # Vanished before it could ever be read: forget it now, not at the next scan.
                 self.targets.pop(name).close()
                 self._refuse(name, "vanished")
+        self._apply_total_budget()
         self.version += 1
         self.polls_total += 1
         self.last_poll_mono_ns = time.monotonic_ns()
         self.last_poll_duration_s = time.monotonic() - t0
+
+    def _apply_total_budget(self) -> None:
+        """Keep the smallest targets whose exposition fits ``max_exposition_bytes``
+        together (always at least one); shed the others, largest first, with a reason."""
+        limit = self.budget.max_exposition_bytes
+        # Served, or shed by this budget (they may fit again); not those over their own.
+        costed = sorted(
+            (
+                t
+                for t in self.targets.values()
+                if t.shed or (t.cost and t.view.error_kind != OVER_BUDGET)
+            ),
+            key=lambda t: (t.cost, t.name),
+        )
+        total, kept = 0, 0
+        for t in costed:
+            if kept == 0 or total + t.cost <= limit:
+                total += t.cost
+                kept += 1
+                t.shed = ""  # served again from the next poll
+                continue
+            if not t.shed:
+                t.shed = (
+                    f"the targets together would export ~{(total + t.cost) / 2**20:.1f} MiB "
+                    f"> --max-exposition-bytes {limit} (this one ~{t.cost / 2**10:.0f} KiB; "
+                    "the largest are shed first)"
+                )
+                t.view = t._shed_view(t.view, time.monotonic_ns())
+                log.warning("%s: shed: %s", t.name, t.shed)
 
     def refresh_if_older(self, max_age: float) -> None:
         """Read fresh at scrape time when the last poll is older than max_age."""
