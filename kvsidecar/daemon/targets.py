@@ -288,6 +288,22 @@ class Target:
         self.reader.close()
 
 
+class OpenDirectory(OSError):
+    """The segment directory lets any user delete or replace what is in it."""
+
+
+def _refuse_open_directory(path: str, st: os.stat_result) -> None:
+    # World-writable without the sticky bit: any local user can unlink the live segment
+    # (the engine is not told) or rename their own file in its place. /dev/shm is 1777.
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise OpenDirectory(
+            errno.EPERM,
+            f"refusing {path}: writable by every user (mode {stat.S_IMODE(st.st_mode):04o}, "
+            "not sticky), so anyone could delete or replace a live segment; "
+            f"chmod 0750 {path} (or remove it: the agent creates it private)",
+        )
+
+
 @dataclass(slots=True)
 class _Refused:
     ino: int  # from readdir: a replaced file is noticed without a stat
@@ -394,6 +410,7 @@ class TargetSet:
         self._last_discovery = now
         try:
             st = os.stat(self.shm_dir)
+            _refuse_open_directory(self.shm_dir, st)
             # ctime too: a chmod (an unreadable directory) must be seen at once.
             dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
             if dir_key == self._dir_key:
