@@ -37,6 +37,7 @@ differ (e.g. ``KVSIDECAR_INSTANCE=$POD_NAME``).
 from __future__ import annotations
 
 import atexit
+import hashlib
 import logging
 import operator
 import os
@@ -90,8 +91,27 @@ def _count(value: object) -> int:
     return 0 if n < 0 else _MAX_COUNT if n > _MAX_COUNT else n
 
 
+# The daemon's default --max-label-length: a longer string would get the whole target
+# refused there (tests/agent/test_agent_partial.py checks the two agree).
+LABEL_MAX = 256
+_MARK = "\u2026"  # the marker of a shortened string: "…"
+
+
+def shorten(text: str, limit: int = LABEL_MAX) -> str:
+    """``text`` if it fits, else its head and tail around a marker and a hash of the whole
+    (an honest 300-character model path stays recognisable and distinct)."""
+    if len(text) <= limit:
+        return text
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    middle = f"{_MARK}{digest}{_MARK}"
+    head = (limit - len(middle)) * 2 // 5  # paths tell most at their end
+    tail = limit - len(middle) - head
+    return f"{text[:head]}{middle}{text[len(text) - tail :]}"
+
+
 def _text(value: object) -> str:
-    return os.fspath(value) if isinstance(value, os.PathLike) else str(value)  # type: ignore[return-value]
+    raw = os.fspath(value) if isinstance(value, os.PathLike) else str(value)
+    return shorten(raw)  # type: ignore[arg-type]
 
 
 def _label(value: object) -> str:
@@ -181,6 +201,7 @@ class KVSidecarAgent:
         self._deferred = DeferredRequests()
         self._deferred_ids = self._deferred.ids  # read by len() every step
         self._logged: set[str] = set()
+        self._partial = -1  # this step left something out: its PUBLISH_ERR_* code
         self._heartbeat_stop = threading.Event()
         self._memory: DeviceMemorySampler | None = None
         self._last_step_ns = time.perf_counter_ns()
@@ -312,9 +333,9 @@ class KVSidecarAgent:
         taken = {
             (aliases.get(i, p.pool_name), p.group_id) for i, p in enumerate(self._snapshot.pools)
         }
-        name, group = record.pool_name, record.group_id
+        name, group = shorten(record.pool_name), record.group_id
         if (name, group) not in taken:
-            return None
+            return None if name == record.pool_name else name
         k = 2
         while (f"{name}_{k}", group) in taken:
             k += 1
@@ -355,27 +376,39 @@ class KVSidecarAgent:
             r = self.runtime
             pools = self._snapshot.pools
             most = -1  # the largest per-pool deferred count; -1: no pool reports one
+            failed = None  # indices of pools whose snapshot() failed this step
+            self._partial = -1  # what was left out of this step (a PUBLISH_ERR_* code)
             i = 0
             for source in self._sources:
-                rec = source.snapshot()
-                pools[i] = rec
-                n = rec.deferred_free_requests
-                if n is not None and n > most:
-                    most = n
+                try:
+                    rec = source.snapshot()
+                    pools[i] = rec
+                    n = rec.deferred_free_requests
+                    if n is not None and n > most:
+                        most = n
+                except Exception as e:  # that pool is left out of this step, not all
+                    failed = [*(failed or ()), i]
+                    self._partial = layout.PUBLISH_ERR_POOL_SOURCE
+                    why = f"{type(e).__name__}: {e}"
+                    self._log_once(
+                        f"pool{i}:{type(e).__name__}",
+                        f"kvsidecar: pool {i} left out (engine unaffected): {why}",
+                    )
                 i += 1
             if self._renamed:
                 for i, alias, _ in self._renamed:
                     pools[i].pool_name = alias
             code = layout.PUBLISH_ERR_ARGUMENT
-            # The usual case (a plain int in range) costs two comparisons.
+            # The usual case (a plain int in range) costs two comparisons. A bad value
+            # (NaN, a string) keeps that field's previous value: the rest is published.
             if type(requests_running) is not int or not 0 <= requests_running <= _MAX_COUNT:
-                requests_running = _count(requests_running)
+                requests_running = self._count_or(requests_running, r.requests_running)
             if type(requests_waiting) is not int or not 0 <= requests_waiting <= _MAX_COUNT:
-                requests_waiting = _count(requests_waiting)
+                requests_waiting = self._count_or(requests_waiting, r.requests_waiting)
             if requests_deferred_free is not None:
                 distinct = requests_deferred_free
                 if type(distinct) is not int or not 0 <= distinct <= _MAX_COUNT:
-                    distinct = _count(distinct)
+                    distinct = self._count_or(distinct, None)  # None: unknown this step
             elif most < 0:
                 distinct = None  # no pool supports deferral: unsupported, not 0
             elif self._untracked:
@@ -395,7 +428,14 @@ class KVSidecarAgent:
                 r.device_total_bytes, r.device_free_bytes = memory.sample()
             r.initialized = True
             code = -1  # from here on the writer records its own failures in the header
-            writer.publish(self._snapshot)
+            if self._partial >= 0:  # published, but not whole: counted with its reason
+                r.publish_errors_total += 1
+                writer.record_error(self._partial)
+            if failed is None:
+                writer.publish(self._snapshot)
+            else:  # rare: a list without the failed pools (the others still published)
+                kept = [p for k, p in enumerate(pools) if k not in failed]
+                writer.publish(Snapshot(runtime=r, pools=kept))
         except Exception as e:
             self.runtime.publish_errors_total += 1
             if code < 0 and isinstance(e, OSError):
@@ -415,6 +455,15 @@ class KVSidecarAgent:
                 pools[i].pool_name = name
         self._last_step_ns = t0  # for the idle heartbeat: no extra clock read per step
         self.runtime.last_publish_duration_ns = time.perf_counter_ns() - t0
+
+    def _count_or(self, value: object, fallback: int | None) -> int | None:
+        try:
+            return _count(value)
+        except (TypeError, ValueError, OverflowError) as e:
+            self._partial = layout.PUBLISH_ERR_ARGUMENT
+            self._log_once(f"arg:{type(e).__name__}", f"kvsidecar: step() value {value!r} "
+                           f"dropped (engine unaffected): {e}")  # fmt: skip
+            return fallback
 
     def _distinct_without_ids(self, pools: list[KVCachePoolSnapshot]) -> int | None:
         """Distinct deferred requests when some pools give counts but no ids (adapters):

@@ -162,7 +162,8 @@ WEB_MAX_REQUESTS = _s(
     "WEB_MAX_REQUESTS",
     "int",
     40,
-    "concurrent HTTP requests before 503 (0 = no limit)",
+    "concurrent HTTP requests; more wait their turn (fair per client address) up to 5 s, "
+    "then 503 (0 = no limit)",
     DAEMON,
     flag="--web.max-requests",
 )
@@ -192,6 +193,15 @@ READY_REQUIRES_SOURCE = _s(
     "`/-/ready` answers 503 until a segment is up",
     DAEMON,
     flag="--ready-requires-source",
+)
+HOLD_ON_ERROR = _s(
+    "HOLD_ON_ERROR",
+    "bool",
+    False,
+    "on a start-up error, log it and stay up until SIGTERM instead of exiting "
+    "(a Kubernetes sidecar that exits holds the engine back)",
+    DAEMON,
+    flag="--hold-on-error",
 )
 WEB_DISABLE_EXPORTER_METRICS = _s(
     "WEB_DISABLE_EXPORTER_METRICS",
@@ -234,6 +244,15 @@ MAX_SERIES_PER_TARGET = _s(
     "per-target budget: most series one segment may export",
     DAEMON,
     flag="--max-series-per-target",
+)
+MAX_EXPOSITION_BYTES = _s(
+    "MAX_EXPOSITION_BYTES",
+    "int",
+    3 * 1024 * 1024,
+    "daemon-wide budget: estimated exposition size of all targets together; above it "
+    "the largest are shed (never the last one)",
+    DAEMON,
+    flag="--max-exposition-bytes",
 )
 MAX_PAYLOAD_BYTES = _s(
     "MAX_PAYLOAD_BYTES",

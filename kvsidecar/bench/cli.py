@@ -408,6 +408,65 @@ def authflood_cmd(quick: bool, out: str, threads: int, distinct: bool) -> None:
     report.write_json(out, "authflood-distinct" if distinct else "authflood", r)
 
 
+@bench.command(name="frontmix")
+@quick_option
+@out_option
+@click.option("--slow-readers", type=int, default=1200, show_default=True)
+def frontmix_cmd(quick: bool, out: str, slow_readers: int) -> None:
+    """TLS probes answered beside pipelining, slow readers and a ClientHello replay (#24)."""
+    from kvsidecar.bench import hostile_front as front
+
+    r = front.run_frontmix(quick=quick, slow_readers=slow_readers)
+    p = r["probes"]
+    report.print_table(
+        f"frontmix ({r['certificate']}, {r['seconds']:.0f} s): 20 pipelining, "
+        f"{r['slow_readers']} slow readers, a ClientHello replay; daemon "
+        f"{r['daemon_rss_mb']:.0f} MB RSS, {r['daemon_cpu_pct']:.0f}% CPU",
+        ["probes", "answered", "p50 ms", "p99 ms", "max ms", "target", "met"],
+        [[p["requests"], p["ok"], p["p50_ms"], p["p99_ms"], p["max_ms"],
+          f">= {r['target_answered_fraction']:.0%}",
+          "yes" if r["probes_answered_fraction"] >= r["target_answered_fraction"] else "NO"]],
+    )  # fmt: skip
+    report.write_json(out, "frontmix", r)
+
+
+@bench.command(name="scrapeflood")
+@quick_option
+@out_option
+@click.option("--scrapers", type=int, default=40, show_default=True)
+def scrapeflood_cmd(quick: bool, out: str, scrapers: int) -> None:
+    """A legitimate scraper's success rate beside N keep-alive /metrics scrapers (#24)."""
+    from kvsidecar.bench import hostile_front as front
+
+    r = front.run_scrapeflood(quick=quick, scrapers=scrapers)
+    s = r["legitimate"]
+    report.print_table(
+        f"scrapeflood: {r['flood_scrapers']} keep-alive scrapers, {r['seconds']:.0f} s; "
+        f"their answers {r['flood_status']}",
+        ["scrapes", "ok", "success", "p50 ms", "p99 ms", "max ms"],
+        [[s["requests"], s["ok"], f"{r['success_rate']:.0%}", s["p50_ms"], s["p99_ms"],
+          s["max_ms"]]],
+    )  # fmt: skip
+    report.write_json(out, "scrapeflood", r)
+
+
+@bench.command(name="aggregate")
+@quick_option
+@out_option
+def aggregate_cmd(quick: bool, out: str) -> None:
+    """Daemon RSS with N maximal conforming targets, N = 1..32 (the daemon-wide budget, #24)."""
+    from kvsidecar.bench import aggregate
+
+    r = aggregate.run(quick=quick)
+    report.print_table(
+        f"aggregate: N targets of {r['payload_bytes']:,} B (64 pools, 256-character labels)",
+        ["targets", "served", "peak RSS MB", "scrape ms", "body bytes", "status"],
+        [[p["targets"], p["served"], p["peak_rss_mb"], p["scrape_ms"], p["body_bytes"],
+          p["scrape_status"]] for p in r["points"]],
+    )  # fmt: skip
+    report.write_json(out, "aggregate", r)
+
+
 @bench.command(name="vllm")
 @quick_option
 @out_option

@@ -79,6 +79,22 @@ def _self_signed(directory: str) -> tuple[str, str]:
     return cert, key
 
 
+def received(
+    sel: selectors.BaseSelector, timeout: float, size: int = 65536
+) -> Iterator[tuple[socket.socket, bytes]]:
+    """(socket, bytes) for each socket that became readable; b"" if it closed or failed."""
+    for key, _ in sel.select(timeout):
+        s = key.fileobj
+        assert isinstance(s, socket.socket)
+        try:
+            data = s.recv(size)
+        except BlockingIOError:
+            continue
+        except OSError:
+            data = b""
+        yield s, data
+
+
 class Tricklers:
     """``n`` connections sending one byte of ``payload`` every ``interval`` s, from one
     selector thread; closed connections are reopened. Bounded: ``stop()`` ends it."""
@@ -115,15 +131,7 @@ class Tricklers:
         next_send = time.monotonic()
         while not self._stop.is_set():
             timeout = max(0.0, min(0.05, next_send - time.monotonic()))
-            for key, _ in sel.select(timeout):
-                s = key.fileobj
-                assert isinstance(s, socket.socket)
-                try:
-                    data = s.recv(65536)
-                except BlockingIOError:
-                    continue
-                except OSError:
-                    data = b""
+            for s, data in received(sel, timeout):
                 if not data:  # closed by the server: reopen, as an attacker would
                     sel.unregister(s)
                     s.close()

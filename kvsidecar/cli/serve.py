@@ -118,7 +118,10 @@ def _telemetry_path(value: str) -> str:
     default=settings.WEB_MAX_REQUESTS.default,
     show_default=True,
     envvar=settings.WEB_MAX_REQUESTS.name,
-    help="Concurrent requests served before answering 503 (0 = no limit).",
+    help=(
+        "Concurrent requests; more wait their turn (fair per client address) up to 5 s, "
+        "then 503 (0 = no limit)."
+    ),
 )
 @trust_options
 @click.option(
@@ -126,6 +129,16 @@ def _telemetry_path(value: str) -> str:
     is_flag=True,
     envvar=settings.READY_REQUIRES_SOURCE.name,
     help="/-/ready answers 503 until at least one segment is up.",
+)
+@click.option(
+    "--hold-on-error",
+    is_flag=True,
+    envvar=settings.HOLD_ON_ERROR.name,
+    help=(
+        "On a start-up error (bad web config, address in use, bad directory), log it and "
+        "stay up until SIGTERM instead of exiting: a Kubernetes native sidecar that exits "
+        "would hold the engine back and take the Pod out of Ready."
+    ),
 )
 @click.option(
     "--web.disable-exporter-metrics",
@@ -167,6 +180,17 @@ def _telemetry_path(value: str) -> str:
     help="A segment that would export more series is refused.",
 )
 @click.option(
+    "--max-exposition-bytes",
+    type=click.IntRange(64 * 1024),
+    default=settings.MAX_EXPOSITION_BYTES.default,
+    show_default=True,
+    envvar=settings.MAX_EXPOSITION_BYTES.name,
+    help=(
+        "Daemon-wide budget: the estimated exposition size of all targets together; above "
+        "it the largest targets are refused (shed) with a reason, never the last one."
+    ),
+)
+@click.option(
     "--max-payload-bytes",
     type=click.IntRange(4096),
     default=settings.MAX_PAYLOAD_BYTES.default,
@@ -189,11 +213,13 @@ def serve(
     allow_uids: tuple[int, ...],
     allow_any_uid: bool,
     ready_requires_source: bool,
+    hold_on_error: bool,
     disable_exporter_metrics: bool,
     max_targets: int,
     max_pools_per_rank: int,
     max_label_length: int,
     max_series_per_target: int,
+    max_exposition_bytes: int,
     max_payload_bytes: int,
     log_level: str,
     log_format: str,
@@ -216,14 +242,17 @@ def serve(
     signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
     # A missing default directory only means no engine has started yet (the agent creates
     # it): serve and wait, as under systemd at boot. Any other missing directory is a typo.
-    require_dir(shm_dir)
+    try:
+        require_dir(shm_dir)
+    except SystemExit as e:
+        _exit(e.code if isinstance(e.code, int) else EXIT_USAGE, hold_on_error)
     # Env twins of repeatable flags are space-separated (click splits them).
     addresses = [a for item in listen_addresses for a in item.split()]
     try:
         web_config = load_web_config(web_config_file) if web_config_file else None
     except WebConfigError as e:
         click.echo(f"kvsidecar: {e}", err=True)
-        sys.exit(EXIT_USAGE)
+        _exit(EXIT_USAGE, hold_on_error)
     allowed = allowed_uids(allow_uids, allow_any_uid)
     targets = TargetSet(
         shm_dir,
@@ -238,6 +267,7 @@ def serve(
             max_pools_per_rank=max_pools_per_rank,
             max_label_length=max_label_length,
             max_series_per_target=max_series_per_target,
+            max_exposition_bytes=max_exposition_bytes,
         ),
         max_targets=max_targets,
         confirm_after=rediscover_interval,
@@ -270,7 +300,7 @@ def serve(
                 f"e.g. :{_suggest(addresses)}"
             )
         click.echo(f"kvsidecar: cannot listen on {' '.join(addresses)}: {why}", err=True)
-        sys.exit(EXIT_USAGE)
+        _exit(EXIT_USAGE, hold_on_error)
     targets.poll_all()
     targets.start()
     scheme = "https" if server.tls else "http"
@@ -300,6 +330,20 @@ def serve(
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
     server.shutdown()
     targets.stop()
+
+
+def _exit(code: int, hold: bool) -> None:
+    """Exit with ``code`` now, or with --hold-on-error once SIGTERM/SIGINT arrives: the
+    error is already on stderr, and a process that stays up keeps a Kubernetes sidecar
+    "started" and ready, so the engine starts and keeps serving (docs/operations.md)."""
+    if hold:
+        click.echo("kvsidecar: --hold-on-error: staying up, not serving, until SIGTERM", err=True)
+        stopping = StopFlag()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda _signum, _frame: stopping.set())
+        while not stopping.wait(1.0):
+            pass
+    sys.exit(code)
 
 
 def _suggest(addresses: list[str]) -> int:

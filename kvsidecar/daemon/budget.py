@@ -14,6 +14,13 @@ took every target's scrape down with it. So every target has a `Budget`:
 A target over budget is refused (state ``refused``, the reason in its error,
 ``kvsidecar_source_budget_refusals_total``); other targets are untouched.
 
+Per-target budgets alone let N conforming targets cost N times as much (32 maximal
+ones: 771 MB RSS, 2.5 s scrapes). So the daemon also has a budget in aggregate,
+``max_exposition_bytes``: the estimated exposition size (`exposition_estimate`, which
+the RSS follows at about 10x) of every served target together. Above it the largest
+targets are shed (state ``refused``, limit ``total``, the reason in the error), the
+smallest kept, and never the last one: no number of targets fails every engine.
+
 `sanitize` validates every exported number per field: a negative count, a
 NaN/Inf or an integer >= 2^63 from a buggy writer is dropped (no series, as if
 unsupported) and counted, so both exposition formats always parse.
@@ -42,6 +49,10 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024  # 64x the agent's default slot
 DEFAULT_MAX_POOLS = 64
 DEFAULT_MAX_LABEL_LENGTH = MAX_LABEL_LENGTH
 DEFAULT_MAX_SERIES = 4096
+# About one maximal conforming target (64 pools, 256-character labels: ~2.2 MB of text):
+# the daemon then stays inside the Kubernetes sidecar's 64 Mi (the curve in
+# docs/reliability.md), and ~150 realistic ranks (1-2 pools, short labels) fit.
+DEFAULT_MAX_EXPOSITION_BYTES = 3 * 1024 * 1024
 
 # Source-health series a target exports whatever its payload (states, counters, age...).
 HEALTH_SERIES = len(md.SOURCE) + 8
@@ -55,6 +66,7 @@ class Budget:
     max_pools_per_rank: int = DEFAULT_MAX_POOLS
     max_label_length: int = DEFAULT_MAX_LABEL_LENGTH
     max_series_per_target: int = DEFAULT_MAX_SERIES
+    max_exposition_bytes: int = DEFAULT_MAX_EXPOSITION_BYTES  # all targets together
 
 
 class OverBudget(Exception):
@@ -65,7 +77,7 @@ class OverBudget(Exception):
         self.limit = limit
 
 
-LIMITS = ("payload_bytes", "pools", "label_length", "series")
+LIMITS = ("payload_bytes", "pools", "label_length", "series", "total")
 
 
 class _Outline(msgspec.Struct, array_like=True):
@@ -92,18 +104,17 @@ class BoundedSnapshotDecoder:
         return _FULL.decode(payload)
 
 
+def _strings(record: msgspec.Struct) -> list[tuple[str, str]]:
+    return [(f, v) for f in record.__struct_fields__ if isinstance(v := getattr(record, f), str)]
+
+
 def label_values(snapshot: Snapshot) -> list[tuple[str, str]]:
-    """(what, value) of every string the collector turns into a label value."""
-    r = snapshot.runtime
-    out = [
-        ("engine", r.engine),
-        ("model_name", r.model_name),
-        ("role", r.role),
-        ("engine_version", r.engine_version),
-        ("device", r.device),
-        ("schema_version", r.schema_version),
-    ]
-    out += [("pool_name", p.pool_name) for p in snapshot.pools]
+    """(what, value) of every string field of the snapshot: each becomes a label value or
+    a JSON string somewhere, so each counts (a list of chosen fields forgot ``instance``,
+    and a 900,000-character one was served)."""
+    out = _strings(snapshot.runtime)
+    for p in snapshot.pools:
+        out += _strings(p)
     return out
 
 
@@ -115,6 +126,23 @@ def series_estimate(snapshot: Snapshot) -> int:
     for p in snapshot.pools:
         n += per_pool_derived + sum(getattr(p, m.field) is not None for m in md.POOL)
     return n
+
+
+_SAMPLE_OVERHEAD = 64  # metric name, punctuation, value, per sample line
+
+
+def exposition_estimate(snapshot: Snapshot, name: str) -> int:
+    """Bytes of text exposition this target adds, about: series times their labels."""
+    r = snapshot.runtime
+    rank = len(name) + len(r.engine) + len(r.model_name) + len(r.role) + 80
+    n = HEALTH_SERIES + 1 + sum(getattr(r, m.field) is not None for m in md.RUNTIME)
+    total = n * (rank + _SAMPLE_OVERHEAD)
+    total += sum(len(v) for _, v in _strings(r))  # the info series carries them all
+    per_pool_derived = len(md.POOL_DERIVED)
+    for p in snapshot.pools:
+        k = per_pool_derived + sum(getattr(p, m.field) is not None for m in md.POOL)
+        total += k * (rank + len(p.pool_name) + 24 + _SAMPLE_OVERHEAD)
+    return total
 
 
 def check(snapshot: Snapshot, budget: Budget) -> None:

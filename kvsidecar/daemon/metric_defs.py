@@ -634,8 +634,10 @@ SOURCE: tuple[MetricDef, ...] = (
         COUNTER,
         "reads",
         "Reads refused because the segment exceeds the target's budget (label limit: "
-        "payload_bytes, pools, label_length, series; flags --max-*); the target is then "
-        "in state refused and exports health series only.",
+        "payload_bytes, pools, label_length, series; flags --max-*), or because all "
+        "targets together exceed --max-exposition-bytes and this one is among the largest "
+        "(limit total); the target is then in state refused and exports health series "
+        "only.",
     ),
     MetricDef(
         "kvsidecar_source_rejected_values_total",

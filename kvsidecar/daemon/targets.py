@@ -32,6 +32,7 @@ from kvsidecar.daemon.budget import (
     OverBudget,
     check,
     identity_error,
+    exposition_estimate,
     sanitize,
 )
 from kvsidecar.discovery import scan_segments
@@ -144,6 +145,8 @@ class Target:
         # The reader decodes through this: too many pools are refused before a record is built.
         self.reader._decoder = BoundedSnapshotDecoder(self.budget.max_pools_per_rank)  # type: ignore[assignment]
         self.view = TargetView(name=name)
+        self.cost = 0  # exposition_estimate of the last good snapshot: the aggregate budget
+        self.shed = ""  # why the aggregate budget sheds it ("" = served)
         self._incarnation = 0
         self._checked: tuple[int, int] | None = None  # (incarnation, seq) of v.last's snapshot
 
@@ -221,6 +224,9 @@ class Target:
             if rejected:
                 result = msgspec.structs.replace(result, snapshot=snapshot)  # a Struct
             self._checked = key
+            self.cost = exposition_estimate(result.snapshot, self.name)
+        if self.shed:  # read (for its size) but not kept, nor exported
+            return self._shed_view(v, now)
         restarts = v.writer_restarts_total
         if self._incarnation and result.incarnation != self._incarnation:
             restarts += 1
@@ -251,6 +257,17 @@ class Target:
             writer_restarts_total=restarts,
             read_retries_total=v.read_retries_total + result.attempts - 1,
             rejected_values_total=values,
+        )
+
+    def _shed_view(self, v: TargetView, now: int) -> TargetView:
+        return replace(
+            v,
+            state=REFUSED,
+            error=f"segment {self.name}: over budget: {self.shed}",
+            error_kind=OVER_BUDGET,
+            last=None,
+            last_poll_mono_ns=now,
+            budget_refusals_total=_bump(v.budget_refusals_total, "total"),
         )
 
     def _over_budget(self, v: TargetView, e: OverBudget, now: int) -> TargetView:
@@ -288,6 +305,22 @@ class Target:
 
     def close(self) -> None:
         self.reader.close()
+
+
+class OpenDirectory(OSError):
+    """The segment directory lets any user delete or replace what is in it."""
+
+
+def _refuse_open_directory(path: str, st: os.stat_result) -> None:
+    # World-writable without the sticky bit: any local user can unlink the live segment
+    # (the engine is not told) or rename their own file in its place. /dev/shm is 1777.
+    if st.st_mode & stat.S_IWOTH and not st.st_mode & stat.S_ISVTX:
+        raise OpenDirectory(
+            errno.EPERM,
+            f"refusing {path}: writable by every user (mode {stat.S_IMODE(st.st_mode):04o}, "
+            "not sticky), so anyone could delete or replace a live segment; "
+            f"chmod 0750 {path} (or remove it: the agent creates it private)",
+        )
 
 
 @dataclass(slots=True)
@@ -413,6 +446,7 @@ class TargetSet:
         self._last_discovery = now
         try:
             st = os.stat(self.shm_dir)
+            _refuse_open_directory(self.shm_dir, st)
             # ctime too: a chmod (an unreadable directory) must be seen at once.
             dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
             if dir_key == self._dir_key:
@@ -633,10 +667,40 @@ class TargetSet:
                 # Vanished before it could ever be read: forget it now, not at the next scan.
                 self.targets.pop(name).close()
                 self._refuse(name, "vanished")
+        self._apply_total_budget()
         self.version += 1
         self.polls_total += 1
         self.last_poll_mono_ns = time.monotonic_ns()
         self.last_poll_duration_s = time.monotonic() - t0
+
+    def _apply_total_budget(self) -> None:
+        """Keep the smallest targets whose exposition fits ``max_exposition_bytes``
+        together (always at least one); shed the others, largest first, with a reason."""
+        limit = self.budget.max_exposition_bytes
+        # Served, or shed by this budget (they may fit again); not those over their own.
+        costed = sorted(
+            (
+                t
+                for t in self.targets.values()
+                if t.shed or (t.cost and t.view.error_kind != OVER_BUDGET)
+            ),
+            key=lambda t: (t.cost, t.name),
+        )
+        total, kept = 0, 0
+        for t in costed:
+            if kept == 0 or total + t.cost <= limit:
+                total += t.cost
+                kept += 1
+                t.shed = ""  # served again from the next poll
+                continue
+            if not t.shed:
+                t.shed = (
+                    f"the targets together would export ~{(total + t.cost) / 2**20:.1f} MiB "
+                    f"> --max-exposition-bytes {limit} (this one ~{t.cost / 2**10:.0f} KiB; "
+                    "the largest are shed first)"
+                )
+                t.view = t._shed_view(t.view, time.monotonic_ns())
+                log.warning("%s: shed: %s", t.name, t.shed)
 
     def refresh_if_older(self, max_age: float) -> None:
         """Read fresh at scrape time when the last poll is older than max_age."""

@@ -29,9 +29,9 @@ from collections.abc import Callable, Mapping
 
 import bcrypt
 
-__all__ = ["BCRYPT_WORKERS", "AuthGate", "BasicAuth", "hash_cost"]
+from kvsidecar.web.fair import FairGate, Refused
 
-_Round = collections.OrderedDict[str, collections.deque]
+__all__ = ["BCRYPT_WORKERS", "AuthGate", "BasicAuth", "hash_cost"]
 
 BCRYPT_WORKERS = 1  # bcrypt checks at once, for the whole process
 MAX_PENDING = 512  # queued checks beyond this are refused at once (429)
@@ -151,66 +151,35 @@ class BasicAuth:
 
 
 class AuthGate:
-    """Runs blocking checks on `BCRYPT_WORKERS` threads, fairly.
+    """Runs blocking checks on `BCRYPT_WORKERS` threads, fairly (`fair.FairGate`).
 
-    Used from one event loop only (no locks). Checks from connections that already sent
-    wrong credentials ("suspect") wait until no other check is waiting, so a flood over
-    keep-alive connections cannot delay a scraper's first login by more than the check
-    in progress. Within each class every client key (address) has its own FIFO and a
-    free worker takes the next key in turn, so one address cannot starve another.
+    Checks from connections that already sent wrong credentials ("suspect") wait until
+    no other check is waiting, so a flood over keep-alive connections cannot delay a
+    scraper's first login by more than the check in progress; within each class every
+    client key (address) takes its turn in a round. A check whose client has hung up by
+    the time its turn comes is skipped: nobody would read its answer.
     """
 
     def __init__(self, workers: int = BCRYPT_WORKERS, max_pending: int = MAX_PENDING) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "kvsidecar-auth")
-        self._workers = workers
-        self._busy = 0
-        self._pending = 0
-        self._max_pending = max_pending
-        # [clean, suspect]: key -> FIFO of turns; the dict order is the round.
-        self._rounds: tuple[_Round, _Round] = (collections.OrderedDict(), collections.OrderedDict())
+        self._gate = FairGate(workers, max_pending)
 
-    async def run(self, key: str, fn: Callable[[], bool], suspect: bool = False) -> bool | None:
-        """fn's result, or None when too many checks are already waiting."""
-        if self._pending >= self._max_pending:
+    async def run(
+        self,
+        key: str,
+        fn: Callable[[], bool],
+        suspect: bool = False,
+        gone: Callable[[], bool] = lambda: False,
+    ) -> bool | None:
+        """fn's result, None when too many checks are already waiting, False without
+        running fn when ``gone()`` says the client left while it waited."""
+        try:
+            async with self._gate.turn(key, suspect):
+                if gone():
+                    return False
+                return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
+        except Refused:
             return None
-        loop = asyncio.get_running_loop()
-        turn: asyncio.Future[None] = loop.create_future()
-        table = self._rounds[suspect]
-        table.setdefault(key, collections.deque()).append(turn)
-        self._pending += 1
-        self._dispatch()
-        try:
-            await turn
-        except BaseException:
-            if not turn.done() or turn.cancelled():
-                self._pending -= 1
-                queue = table.get(key)
-                if queue is not None and turn in queue:
-                    queue.remove(turn)
-                    if not queue:
-                        del table[key]
-            else:
-                self._release()  # granted just as we were cancelled
-            raise
-        try:
-            return await loop.run_in_executor(self._pool, fn)
-        finally:
-            self._release()
-
-    def _release(self) -> None:
-        self._busy -= 1
-        self._dispatch()
-
-    def _dispatch(self) -> None:
-        while self._busy < self._workers and (table := self._rounds[0] or self._rounds[1]):
-            key, queue = next(iter(table.items()))
-            turn = queue.popleft()
-            del table[key]
-            if queue:
-                table[key] = queue  # to the back of the round
-            self._pending -= 1
-            self._busy += 1
-            turn.set_result(None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

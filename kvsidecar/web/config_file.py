@@ -23,7 +23,6 @@ import os
 import re
 import ssl
 from collections.abc import Sequence
-from pathlib import Path
 from typing import Any
 
 import yaml
@@ -38,6 +37,7 @@ from kvsidecar.web.config import (
     WebConfig,
     WebConfigError,
 )
+from kvsidecar.web.safe_file import read_regular
 from kvsidecar.web.tls_context import build_ssl_context
 
 __all__ = ["load_web_config", "parse_duration", "parse_web_config"]
@@ -351,7 +351,7 @@ def load_web_config(path: str | os.PathLike[str]) -> WebConfig:
     """
     p = os.fspath(path)
     try:
-        text = Path(p).read_text(encoding="utf-8")
+        text = read_regular(p).decode("utf-8")
     except OSError as e:
         raise WebConfigError(f"{p}: cannot read web config: {e.strerror or e}") from None
     except UnicodeDecodeError:

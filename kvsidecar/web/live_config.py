@@ -97,7 +97,13 @@ class LiveConfig:
     def current(self) -> LiveState:
         if self._stamp is None or time.monotonic() < self._next:
             return self._state
-        return self._check(force=False)
+        # Called on the event loop: never wait for a reload in progress (SIGHUP's).
+        if not self._lock.acquire(blocking=False):
+            return self._state
+        try:
+            return self._check_locked(force=False)
+        finally:
+            self._lock.release()
 
     def reload(self) -> bool:
         """Re-read the file now, changed or not (SIGHUP); False if it was invalid."""
@@ -110,25 +116,27 @@ class LiveConfig:
 
     def _check(self, force: bool) -> LiveState:
         with self._lock:
-            if not force and time.monotonic() < self._next:
-                return self._state
-            self._next = time.monotonic() + self._interval
-            old = self._state
-            assert old.cfg is not None and old.cfg.path is not None
-            stamp = _stamp(old.cfg.files)
-            if stamp == self._stamp and not force:
-                return old
-            self._stamp = stamp  # don't retry a broken file until it changes again
-            try:
-                cfg = load_web_config(old.cfg.path)
-                if (cfg.tls is None) != (old.cfg.tls is None):
-                    raise WebConfigError(
-                        f"{cfg.path}: TLS can only be turned on or off with a restart"
-                    )
-                self._state = LiveState.build(cfg, previous=old)
-                self._stamp = _stamp(cfg.files)
-            except (WebConfigError, OSError) as e:
-                log.error("web config changed but is invalid, keeping the previous one: %s", e)
-                return old
-            log.info("reloaded web config %s", cfg.path)
+            return self._check_locked(force)
+
+    def _check_locked(self, force: bool) -> LiveState:
+        """The caller holds the lock."""
+        if not force and time.monotonic() < self._next:
             return self._state
+        self._next = time.monotonic() + self._interval
+        old = self._state
+        assert old.cfg is not None and old.cfg.path is not None
+        stamp = _stamp(old.cfg.files)
+        if stamp == self._stamp and not force:
+            return old
+        self._stamp = stamp  # don't retry a broken file until it changes again
+        try:
+            cfg = load_web_config(old.cfg.path)
+            if (cfg.tls is None) != (old.cfg.tls is None):
+                raise WebConfigError(f"{cfg.path}: TLS can only be turned on or off with a restart")
+            self._state = LiveState.build(cfg, previous=old)
+            self._stamp = _stamp(cfg.files)
+        except (WebConfigError, OSError) as e:
+            log.error("web config changed but is invalid, keeping the previous one: %s", e)
+            return old
+        log.info("reloaded web config %s", cfg.path)
+        return self._state

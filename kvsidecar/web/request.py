@@ -103,6 +103,19 @@ def _request_line(line: str) -> tuple[str, str, tuple[int, int]]:
     return method, target, version
 
 
+def _content_length(headers: Mapping[str, str]) -> int:
+    """RFC 9112 6.3: a list of Content-Length values (repeated headers arrive joined by
+    commas) is only acceptable when every member is the same number; anything else
+    means the message's end is ambiguous, the shape of request smuggling."""
+    values = {v.strip(" \t") for v in headers.get("content-length", "0").split(",")}
+    if len(values) != 1:
+        raise BadRequest(400, "conflicting Content-Length values")
+    (length,) = values
+    if not length.isdigit() or not length.isascii():
+        raise BadRequest(400, "malformed Content-Length")
+    return int(length)
+
+
 def parse_head(lines: Sequence[bytes]) -> Request:
     """Parse a request line and header lines (each ending in LF or CRLF, without the
     empty line that ends the head). Raises `BadRequest` for anything malformed."""
@@ -132,15 +145,14 @@ def parse_head(lines: Sequence[bytes]) -> Request:
             raise BadRequest(400, f"control character in header {name}")
         key = name.lower()
         if key in headers:
-            if key in ("content-length", "host") and headers[key] != value:
-                raise BadRequest(400, f"conflicting {name} headers")
+            if key == "host":  # RFC 9112 3.2: more than one Host is a 400
+                raise BadRequest(400, "more than one Host header")
             headers[key] = f"{headers[key]}, {value}"
         else:
             headers[key] = value
-    length = headers.get("content-length", "0").split(",")[0].strip()
-    if not length.isdigit() or not length.isascii():
-        raise BadRequest(400, "malformed Content-Length")
-    has_body = "transfer-encoding" in headers or int(length) > 0
+    if version >= (1, 1) and "host" not in headers:
+        raise BadRequest(400, "HTTP/1.1 request without a Host header")
+    has_body = "transfer-encoding" in headers or _content_length(headers) > 0
     connection = {t.strip().lower() for t in headers.get("connection", "").split(",")}
     keep_alive = "keep-alive" in connection if version < (1, 1) else "close" not in connection
     path = _path_of(target)  # "*" (asterisk-form) is for OPTIONS only: 400 too

@@ -5,21 +5,26 @@ Besides the routes, it answers ``/-/healthy`` itself and ``/-/ready`` from a rea
 callback; the web config (`config_file`) adds TLS, basic auth (never on those two: probes
 carry no credentials), extra headers and a rate limit.
 
-Robustness: one event loop thread accepts, handshakes and reads every request head
-under one deadline per head (not per read), so a client trickling bytes costs a socket,
-never a thread; complete requests go to a small pool of worker threads (`workers`).
-``/-/healthy`` is answered on the loop itself and ``/-/ready`` has threads of its own,
-so probes answer while renders are slow or the connection table is full of tricklers.
-At the connection cap the connection that has waited longest for its request head is
-closed. ``max_requests`` answers 503 at once above N concurrent requests instead of
-queueing (node_exporter's ``--web.max-requests``). Malformed requests get 400/414/431/505
-and one throttled log line (`request`); bcrypt checks are bounded and fair
-(`basic_auth`).
+Robustness: one event loop thread accepts and reads every request head under one
+deadline per head (not per read), so a client trickling bytes costs a socket, never a
+thread; complete requests go to a small pool of worker threads (`workers`), TLS
+handshakes to a thread of their own (OpenSSL computes without the GIL), so the loop
+itself only moves bytes. ``/-/healthy`` is answered on the loop and ``/-/ready`` has
+threads of its own, so probes answer while renders or handshakes are slow. The work one
+connection can queue is bounded: the loop yields after every pipelined request, an
+answer is queued 64 KB at a time, and a connection waiting for its client (to send a
+request head, or to read an answer) is the first closed at the connection cap.
+Handshakes take turns per client address (at most `HANDSHAKES_PER_SOURCE` each, a
+replayed ClientHello closed before any crypto), and so do requests above
+``max_requests`` (`fair`): 40 keep-alive scrapers cannot lock out a 41st. Malformed
+requests get 400/414/431/505 and one throttled log line (`request`); bcrypt checks are
+bounded and fair, and skipped for clients that left (`basic_auth`).
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import resource
@@ -35,6 +40,7 @@ from typing import Any
 from kvsidecar.web.basic_auth import AuthGate, BasicAuth
 from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
+from kvsidecar.web.fair import FairGate, Refused
 from kvsidecar.web.listen_address import parse_listen_address
 from kvsidecar.web.live_config import LiveConfig, LiveState
 from kvsidecar.web.log_throttle import Throttled
@@ -50,8 +56,8 @@ from kvsidecar.web.request import (
 from kvsidecar.web.sockets import BACKLOG, bind, format_address
 from kvsidecar.web.stats import HTTPStats
 from kvsidecar.web.tls_context import peer_san_allowed
-from kvsidecar.web.tls_stream import TLSReader, TLSWriter, handshake
-from kvsidecar.web.workers import Limiter, Workers
+from kvsidecar.web.tls_stream import TLSReader, TLSWriter, client_random, handshake
+from kvsidecar.web.workers import Workers
 
 log = logging.getLogger("kvsidecar.web")
 
@@ -66,6 +72,14 @@ FD_RESERVE = 128  # fds kept free of connections: segments, logs, listeners
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
+# TLS handshakes run on their own thread (OpenSSL releases the GIL for the RSA work):
+# one, so a handshake flood costs at most one core and the loop keeps the other.
+HANDSHAKE_THREADS = 1
+HANDSHAKES_PER_SOURCE = 8  # waiting or running, per client address; beyond: closed at once
+MAX_HANDSHAKES_WAITING = 256
+HELLO_MEMORY = 4096  # recent ClientHello randoms: a repeat is a replay, closed before crypto
+WRITE_CHUNK = 16384  # an answer is queued this much at a time: bounded unread bytes
+RENDER_WAIT_S = 5.0  # above max_requests a request waits its turn this long, then 503
 
 Render = Callable[[Request], tuple[bytes, str]]
 """A route: runs on a worker thread, returns the body and its content type."""
@@ -115,6 +129,12 @@ async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes
             raise BadRequest(431, f"more than {MAX_HEADERS} header fields")
 
 
+def _gone(conn: _Conn) -> bool:
+    """The client hung up (EOF or an error seen by the transport) or was evicted."""
+    reader = conn.reader.raw if isinstance(conn.reader, TLSReader) else conn.reader
+    return conn.writer.transport.is_closing() or reader.at_eof() or reader.exception() is not None
+
+
 class _Front:
     """The asyncio side: accepts, TLS handshakes and request heads for every connection in
     one thread, under a deadline per request head. Only complete requests reach the
@@ -132,10 +152,26 @@ class _Front:
         self.render_pool = Workers(RENDER_THREADS, "kvsidecar-http")
         self.probe_pool = Workers(2, "kvsidecar-probe")
         self.auth_gate = AuthGate()
+        self.tls_pool = concurrent.futures.ThreadPoolExecutor(HANDSHAKE_THREADS, "kvsidecar-tls")
+        self.handshakes = FairGate(
+            HANDSHAKE_THREADS, MAX_HANDSHAKES_WAITING, per_key=HANDSHAKES_PER_SOURCE
+        )
+        self.hellos: OrderedDict[bytes, None] = OrderedDict()
+        # Requests above max_requests wait their turn, round-robin per address, instead of
+        # 503 at once: 40 keep-alive scrapers cannot hold every slot against a 41st.
+        slots = web.max_requests or max(1, max_connections)
+        self.requests = FairGate(slots, max(64, max_connections))
         self.open: set[_Conn] = set()
+        # Open connections per client address, oldest first: at the cap the victim comes
+        # from the address holding the most, so a flood from one address (or a few)
+        # cannot lock out a kubelet or a scraper from another.
+        self.by_host: dict[str, dict[_Conn, None]] = {}
         # Connections waiting for a request head (or a handshake), oldest first: the ones
         # closed to make room when the cap is reached. Busy ones are never evicted.
         self.waiting: OrderedDict[_Conn, None] = OrderedDict()
+        # Connections whose answer waits for the client to read it, oldest first: closed
+        # before any of those, since they already took their answer (slow readers).
+        self.stalled: OrderedDict[_Conn, None] = OrderedDict()
         self.servers: list[asyncio.base_events.Server] = []
         self.log_bad = Throttled(logging.INFO)
         self.log_loop = Throttled(logging.WARNING)
@@ -149,17 +185,49 @@ class _Front:
     def _admit(self, conn: _Conn) -> bool:
         if self.max_connections and len(self.open) >= self.max_connections:
             self.web.stats.connection_rejected()
-            if not self.waiting:
+            victim = self._victim(conn.host)
+            if victim is None:
                 return False  # every connection is being answered: refuse the newcomer
-            victim, _ = self.waiting.popitem(last=False)
             self._drop(victim)
         self.open.add(conn)
+        self.by_host.setdefault(conn.host, {})[conn] = None
         self.waiting[conn] = None
         return True
 
-    def _drop(self, conn: _Conn) -> None:
+    def _victim(self, host: str) -> _Conn | None:
+        """Who makes room for a newcomer from ``host``. An address holding more than the
+        newcomer's would after admission gives one up (stalled on its reader first, then
+        idle, then its oldest). Otherwise the newcomer's own address pays (stalled, then
+        idle; if none, the newcomer is refused), and a newcomer from a new address when
+        every address holds one takes anyone's stalled or idle connection, oldest first."""
+        heaviest = max(self.by_host, key=lambda h: len(self.by_host[h]))
+        mine = len(self.by_host.get(host, ()))
+        if len(self.by_host[heaviest]) > mine + 1:
+            return self._oldest_of(heaviest) or next(iter(self.by_host[heaviest]))
+        if mine:
+            return self._oldest_of(host)  # None: refused, lighter addresses keep theirs
+        idle = self.stalled or self.waiting
+        return next(iter(idle)) if idle else None
+
+    def _oldest_of(self, host: str) -> _Conn | None:
+        for tier in (self.stalled, self.waiting):
+            for c in tier:  # oldest first; only at the cap, so the scan is rare
+                if c.host == host:
+                    return c
+        return None
+
+    def _forget(self, conn: _Conn) -> None:
         self.open.discard(conn)
         self.waiting.pop(conn, None)
+        self.stalled.pop(conn, None)
+        conns = self.by_host.get(conn.host)
+        if conns is not None:
+            conns.pop(conn, None)
+            if not conns:
+                del self.by_host[conn.host]
+
+    def _drop(self, conn: _Conn) -> None:
+        self._forget(conn)
         conn.writer.transport.abort()
         if conn.task is not None and conn.task is not asyncio.current_task(self.loop):
             conn.task.cancel()
@@ -186,6 +254,7 @@ class _Front:
         if not self._admit(conn):
             writer.transport.abort()
             return
+        writer.transport.set_write_buffer_limits(high=WRITE_CHUNK)
         try:
             state = self.web._live.current()
             if state.ssl_context is not None and not await self._handshake(conn, state):
@@ -200,8 +269,7 @@ class _Front:
             log.error("http: connection from %s failed: %r", conn.peer, e)
             log.debug("http: traceback", exc_info=True)
         finally:
-            self.open.discard(conn)
-            self.waiting.pop(conn, None)
+            self._forget(conn)
             if not writer.transport.is_closing():
                 writer.transport.abort()
 
@@ -210,19 +278,43 @@ class _Front:
         tls = state.cfg.tls
         try:
             async with asyncio.timeout(self.web.request_timeout_s):
-                reader, writer = await handshake(state.ssl_context, conn.reader, conn.writer)
+                reader, writer = await handshake(
+                    state.ssl_context,
+                    conn.reader,
+                    conn.writer,
+                    step=lambda fn: self._handshake_step(conn, fn),
+                    admit=self._fresh_hello,
+                )
             if (
                 tls is not None
                 and tls.client_allowed_sans
                 and not peer_san_allowed(writer.get_extra_info("peercert"), tls.client_allowed_sans)
             ):
                 raise ssl.SSLError("client certificate SANs not in client_allowed_sans")
-        except (OSError, ValueError, TimeoutError) as e:
+        except (OSError, ValueError, TimeoutError, Refused) as e:
             self.web.stats.tls_handshake_failed()
             log.debug("TLS handshake with %s failed: %r", conn.peer, e)
             return False
         reader.limit = MAX_HEAD_BYTES
         conn.reader, conn.writer = reader, writer
+        return True
+
+    async def _handshake_step(self, conn: _Conn, fn: Callable[[], None]) -> None:
+        # The CPU off the loop, in turns fair per address, at most a few per address.
+        async with self.handshakes.turn(conn.host):
+            await self.loop.run_in_executor(self.tls_pool, fn)
+
+    def _fresh_hello(self, record: bytes) -> bool:
+        """False for a ClientHello whose random was seen recently: a canned hello replayed
+        costs the attacker nothing, and would cost an RSA signature each."""
+        random = client_random(record)
+        if not random:
+            return True  # not a hello: OpenSSL answers it with an alert
+        if random in self.hellos:
+            return False
+        self.hellos[random] = None
+        if len(self.hellos) > HELLO_MEMORY:
+            self.hellos.popitem(last=False)
         return True
 
     async def _one_request(self, conn: _Conn) -> bool:
@@ -248,6 +340,9 @@ class _Front:
         t0 = time.monotonic()
         status, route = await self._answer(conn, request)
         web.stats.observe(route, status, time.monotonic() - t0)
+        # Pipelined requests are already buffered, so nothing above had to wait: yield,
+        # or one connection's pipeline would hold the loop (and every probe) until empty.
+        await asyncio.sleep(0)
         return request.keep_alive
 
     async def _error(self, conn: _Conn, error: BadRequest) -> None:
@@ -272,7 +367,9 @@ class _Front:
             status, body = 200, b"OK"  # always, never behind auth: probes carry no credentials
         elif path == READY_PATH:
             ok, reason = await self._ready()
-            status, body = (200, b"OK") if ok else (503, (reason or "not ready").encode())
+            # The reason either way: a 200 can still carry a warning (discovery failing).
+            status = 200 if ok else 503
+            body = (reason or ("OK" if ok else "not ready")).encode()
         elif state.bucket is not None and not state.bucket.allow():
             status, body = 429, b"429 too many requests\n"
         elif (
@@ -291,27 +388,8 @@ class _Front:
                 status, body = 401, b"401 unauthorized\n"
         elif not known:
             status, body = 404, b"404 page not found\n"
-        elif not web._requests.try_acquire():
-            # Refuse at once rather than queue: a queued scrape would time out anyway.
-            status, body = 503, b"503 too many concurrent requests, try again later\n"
         else:
-            web.stats.request_started()
-            try:
-                body, ctype, extra = await self.render_pool.submit(
-                    self.loop, web._render, path, request
-                )
-                status = 200
-                headers.update(extra)
-            except Exception:
-                log.exception("rendering %s failed", path)
-                status, body, ctype = (
-                    500,
-                    b"500 internal server error, see the kvsidecar log\n",
-                    _PLAIN,
-                )
-            finally:
-                web.stats.request_finished()
-                web._requests.release()
+            status, body, ctype = await self._render(conn, request, headers)
         if request.version < (1, 1) and not close:
             headers["Connection"] = "keep-alive"  # HTTP/1.0 closes unless told otherwise
         await self._write(conn, status, body, headers, ctype, close, request.method == "HEAD")
@@ -320,6 +398,27 @@ class _Front:
         elif close:
             self._close(conn)
         return status, path if known else OTHER
+
+    async def _render(
+        self, conn: _Conn, request: Request, headers: dict[str, str]
+    ) -> tuple[int, bytes, str]:
+        web = self.web
+        try:
+            async with self.requests.turn(conn.host, wait_s=RENDER_WAIT_S):
+                web.stats.request_started()
+                try:
+                    body, ctype, extra = await self.render_pool.submit(
+                        self.loop, web._render, request.path, request
+                    )
+                except Exception:
+                    log.exception("rendering %s failed", request.path)
+                    return 500, b"500 internal server error, see the kvsidecar log\n", _PLAIN
+                finally:
+                    web.stats.request_finished()
+        except Refused:
+            return 503, b"503 too many concurrent requests, try again later\n", _PLAIN
+        headers.update(extra)
+        return 200, body, ctype
 
     async def _ready(self) -> tuple[bool, str]:
         try:
@@ -343,7 +442,9 @@ class _Front:
             conn.failed = conn.failed or not cached
             return cached
         auth = state.auth
-        ok = await self.auth_gate.run(conn.host, lambda: auth.verify(*creds), conn.failed)
+        ok = await self.auth_gate.run(
+            conn.host, lambda: auth.verify(*creds), conn.failed, gone=lambda: _gone(conn)
+        )
         conn.failed = conn.failed or ok is False
         return ok
 
@@ -360,18 +461,28 @@ class _Front:
         items = [("Content-Type", ctype), ("Content-Length", str(len(body))), *headers.items()]
         head = response_head(status, items, close=close)
         if head_only:
-            conn.writer.write(head)
+            chunks = [head]
         elif len(body) < 16384:
-            conn.writer.write(head + body)  # one segment: small answers arrive whole
+            chunks = [head + body]  # one segment: small answers arrive whole
         else:
-            conn.writer.write(head)
-            conn.writer.write(body)
-        # A client that does not read its answer is dropped after the same deadline.
+            view = memoryview(body)  # slices share the (cached) body: no copy per reader
+            chunks = [head, *(view[i : i + WRITE_CHUNK] for i in range(0, len(body), WRITE_CHUNK))]
+        # A client that does not read its answer is dropped after the same deadline, and
+        # never holds more than about two chunks of unsent bytes in our buffers meanwhile.
+        # While it keeps us waiting it is the first closed at the connection cap.
+        transport = conn.writer.transport
         async with asyncio.timeout(self.web.request_timeout_s):
-            await conn.writer.drain()
+            for chunk in chunks:
+                conn.writer.write(chunk)
+                if transport.get_write_buffer_size() > WRITE_CHUNK:
+                    self.stalled[conn] = None
+                    try:
+                        await conn.writer.drain()
+                    finally:
+                        self.stalled.pop(conn, None)
 
     def _close(self, conn: _Conn) -> None:
-        self.open.discard(conn)
+        self._forget(conn)
         conn.writer.close()
 
     async def _linger(self, conn: _Conn) -> None:
@@ -433,8 +544,9 @@ class WebServer:
     """An HTTP(S) server for ``routes`` (path -> `Render`) on one or more listen addresses.
 
     ``ready`` answers ``/-/ready`` (on threads of its own, 503 after `READY_TIMEOUT_S`).
-    ``max_requests`` caps requests admitted at once, above it 503 (0 = no cap; the probe
-    endpoints are exempt); `RENDER_THREADS` of them render at a time, the others wait
+    ``max_requests`` caps requests admitted at once; above it a request waits its turn,
+    round-robin per client address, up to `RENDER_WAIT_S`, then 503 (0 = no cap; the
+    probe endpoints are exempt); `RENDER_THREADS` of them render at a time, the others wait
     their turn. ``max_connections`` caps open connections;
     at the cap the connection that has waited longest for its request is closed to make
     room, so clients that never finish a request cannot lock out those that do.
@@ -474,7 +586,6 @@ class WebServer:
         self.request_timeout_s = request_timeout_s
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
-        self._requests = Limiter(max_requests)
         self._live = LiveConfig(web_config, config_check_interval_s)
         for note in web_config.notes if web_config is not None else ():
             log.warning("web config: %s", note)

@@ -11,14 +11,15 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar.web.config import CLIENT_AUTH_TYPES, TLS_VERSIONS, TLSServerConfig, WebConfigError
+from kvsidecar.web.safe_file import read_regular
 
 __all__ = ["build_ssl_context", "peer_san_allowed"]
 
 
 def _check_readable(key: str, path: str) -> None:
+    # Regular and bounded, before OpenSSL opens it (a FIFO would block it forever).
     try:
-        with open(path, "rb"):
-            pass
+        read_regular(path)
     except OSError as e:
         raise WebConfigError(f"tls_server_config.{key} {path}: {e.strerror or e}") from None
 

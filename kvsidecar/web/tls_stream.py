@@ -3,6 +3,7 @@
 Not asyncio's own ``start_tls``: on a failed handshake it closes without sending the
 alert OpenSSL produced, so a client below ``min_version`` would see a bare EOF instead
 of "protocol version". Here every byte OpenSSL wants to send is flushed first.
+The CPU of the handshake can run elsewhere (``step``, a thread in the server).
 Reads are pulled on demand, so a client can never make the daemon buffer more than
 one TLS record beyond what a request head needs, and OpenSSL's state is only created
 once the ClientHello is complete.
@@ -12,9 +13,10 @@ from __future__ import annotations
 
 import asyncio
 import ssl
+from collections.abc import Awaitable, Callable
 from typing import Any
 
-__all__ = ["TLSReader", "TLSWriter", "handshake"]
+__all__ = ["Step", "TLSReader", "TLSWriter", "client_random", "handshake"]
 
 _CHUNK = 65536
 
@@ -58,13 +60,35 @@ async def _plain_http(writer: asyncio.StreamWriter) -> None:
     except OSError:
         pass
     writer.close()
+Step = Callable[[Callable[[], None]], Awaitable[None]]
+"""Runs one ``do_handshake`` call: the CPU of the handshake (an RSA signature is
+milliseconds) happens there, e.g. on a thread, so the caller's loop keeps answering."""
+
+
+async def _inline(fn: Callable[[], None]) -> None:
+    fn()
+
+
+def client_random(record: bytes) -> bytes:
+    """The 32-byte random of a ClientHello record (b"" if it is not one): a fresh one per
+    real client, so a repeat means a replayed hello."""
+    # 5 bytes of record header, 4 of handshake header, 2 of client_version.
+    if len(record) < 43 or record[0] != 0x16 or record[5] != 0x01:
+        return b""
+    return record[11:43]
 
 
 async def handshake(
-    ctx: ssl.SSLContext, reader: asyncio.StreamReader, writer: asyncio.StreamWriter
+    ctx: ssl.SSLContext,
+    reader: asyncio.StreamReader,
+    writer: asyncio.StreamWriter,
+    step: Step = _inline,
+    admit: Callable[[bytes], bool] = lambda hello: True,
 ) -> tuple[TLSReader, TLSWriter]:
-    """The server handshake (the caller bounds it in time). Raises `ssl.SSLError` (the
-    alert already sent) or `ConnectionError` when the peer leaves."""
+    """The server handshake (the caller bounds it in time). ``admit`` sees the first
+    record before OpenSSL does (False: closed, no crypto spent); ``step`` runs each
+    ``do_handshake``. Raises `ssl.SSLError` (the alert already sent) or
+    `ConnectionError` when the peer leaves or is not admitted."""
     # OpenSSL allocates tens of KB per connection once it starts reading: hold the
     # connection on the raw stream until the client's first record (the ClientHello,
     # at most 16 KB) has arrived whole, so a client trickling it costs only its bytes.
@@ -80,11 +104,13 @@ async def handshake(
     if header in _PLAIN_HTTP:
         await _plain_http(writer)
         raise ssl.SSLError("plain HTTP request to the HTTPS port (answered 400)")
+    if not admit(first):
+        raise ConnectionRefusedError("TLS client hello not admitted")
     tls = _TLS(ctx, reader, writer)
     tls.incoming.write(first)  # anything else: OpenSSL refuses it with an alert
     while True:
         try:
-            tls.obj.do_handshake()
+            await step(tls.obj.do_handshake)
             break
         except ssl.SSLWantReadError:
             if not await tls.feed():
@@ -104,6 +130,11 @@ class TLSReader:
         self._tls = tls
         self._buf = bytearray()
         self.limit = limit
+
+    @property
+    def raw(self) -> asyncio.StreamReader:
+        """The ciphertext stream: where a hang-up shows."""
+        return self._tls.raw_reader
 
     async def _fill(self) -> bool:
         while True:

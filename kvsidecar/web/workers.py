@@ -1,5 +1,4 @@
-"""Where requests run: a fixed pool of worker threads fed from the event loop, and a
-non-blocking admission limit (node_exporter's ``--web.max-requests``)."""
+"""Where requests run: a fixed pool of worker threads fed from the event loop."""
 
 from __future__ import annotations
 
@@ -9,21 +8,7 @@ import queue
 import threading
 from typing import Any
 
-__all__ = ["Limiter", "Workers"]
-
-
-class Limiter:
-    """At most ``limit`` holders (0 = unlimited); ``try_acquire`` never waits."""
-
-    def __init__(self, limit: int) -> None:
-        self._sem = threading.BoundedSemaphore(limit) if limit > 0 else None
-
-    def try_acquire(self) -> bool:
-        return self._sem is None or self._sem.acquire(blocking=False)
-
-    def release(self) -> None:
-        if self._sem is not None:
-            self._sem.release()
+__all__ = ["Workers"]
 
 
 class Workers:

@@ -106,13 +106,19 @@ def test_native_sidecar(sidecar: dict) -> None:
     assert sidecar["args"][0] == "serve"  # the image's ENTRYPOINT is kvsidecar
     ports = {p["name"]: p for p in sidecar["ports"]}
     assert ports["metrics"]["containerPort"] == 19440
-    # A sidecar's readiness counts in the Pod's: a readinessProbe would let a
-    # monitoring failure take the engine out of its Service.
-    assert "readinessProbe" not in sidecar
-    for probe in ("startupProbe", "livenessProbe"):
-        assert sidecar[probe]["httpGet"]["path"] == "/-/healthy"
-        assert sidecar[probe]["httpGet"]["port"] in ("metrics", 19440)
     assert env(sidecar).get("KVSIDECAR_WEB_LISTEN_ADDRESS", ":19440").endswith(":19440")
+
+
+def test_sidecar_can_never_hold_the_engine_back(sidecar: dict) -> None:
+    """Issue 24 item 7, from Kubernetes' native-sidecar semantics: the engine starts once
+    the sidecar is "started" (running, and its startupProbe passed if any), and the
+    sidecar's readiness counts in the Pod's. So no startupProbe (it held the engine
+    while the sidecar crash-looped), no readinessProbe, no livenessProbe (a restart makes
+    it unready, and a flood on its port could trigger one), and a start-up error must
+    not exit the process (tests/deploy/test_hold_on_error.py runs that case)."""
+    for probe in ("startupProbe", "readinessProbe", "livenessProbe"):
+        assert probe not in sidecar, f"{probe} on the sidecar can gate the engine"
+    assert env(sidecar).get("KVSIDECAR_HOLD_ON_ERROR") == "true"
 
 
 def test_shared_segment_volume(pod: dict, sidecar: dict, engine: dict) -> None:

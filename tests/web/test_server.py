@@ -18,6 +18,7 @@ import bcrypt
 import pytest
 
 from kvsidecar.daemon.endpoints import WebServer
+from kvsidecar.web import server as web_server
 from kvsidecar.web.config import WebConfig
 from kvsidecar.web.config_file import load_web_config, parse_web_config
 from kvsidecar.web.listen_address import parse_listen_address
@@ -374,9 +375,12 @@ def _assert_still_open(sock: socket.socket) -> None:
 # --- limits and misbehaving clients ------------------------------------------------------------
 
 
-def test_max_requests_refuses_at_once(
-    serve: Callable[..., WebServer], handlers: FakeHandlers
+def test_max_requests_waits_its_turn_then_refuses(
+    serve: Callable[..., WebServer], handlers: FakeHandlers, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Above the cap a request waits for a slot (issue 24: keep-alive scrapers holding
+    every slot locked a newcomer out with 503s), and 503s only after RENDER_WAIT_S."""
+    monkeypatch.setattr(web_server, "RENDER_WAIT_S", 0.5)
     server = serve(max_requests=2)
     handlers.gate = threading.Event()
     results: list[int] = []
@@ -390,18 +394,19 @@ def test_max_requests_refuses_at_once(
         assert handlers.entered.acquire(timeout=5), "both slow requests are being served"
     assert server.stats.snapshot().in_flight == 2
     try:
-        # No clock needed: a queued request could only be answered once the gate opens
-        # (after these lines), so a 503 now is a refusal at once.
         status, _, body = request(server, "/metrics")
-        assert status == 503 and b"too many" in body
-        assert request(server, "/api/v1/snapshots")[0] == 503
+        assert status == 503 and b"too many" in body, "no slot came within the wait"
         assert request(server, "/-/healthy")[0] == 200, "health is exempt"
         assert request(server, "/-/ready")[0] == 200
+        waiter = threading.Thread(target=lambda: results.append(request(server, "/metrics")[0]))
+        waiter.start()
+        time.sleep(0.1)  # queued behind the two (well within its 0.5 s)
     finally:
         handlers.gate.set()
         for t in threads:
             t.join(5)
-    assert results == [200, 200]
+    waiter.join(5)
+    assert sorted(results) == [200, 200, 200], "the waiting request got the freed slot"
     handlers.gate = None
     assert request(server, "/metrics")[0] == 200, "slots are given back"
     assert server.stats.snapshot().in_flight == 0
