@@ -265,12 +265,20 @@ class AtomSidecar:
         """Start publishing `scheduler`; None (agent disabled) if that cannot be done."""
         from kvsidecar.agent.agent import KVSidecarAgent
 
-        source = AtomPoolSource(scheduler)
         ident = identity(getattr(scheduler, "config", None))
         # Heartbeat: an idle ATOM engine core does not step; keep the last snapshot fresh.
         agent = KVSidecarAgent(**ident, heartbeat_interval=1.0)
-        if not agent.enabled or not agent.register_pool(source):
+        if not agent.enabled:  # no segment: leave ATOM's scheduler exactly as it was
+            return None
+        try:
+            source = AtomPoolSource(scheduler)
+            registered = agent.register_pool(source)
+        except Exception:
+            registered = False
+        if not registered:
             agent.close()
+            if isinstance(scheduler.deferred_free_blocks, DeferredFrees):
+                scheduler.deferred_free_blocks = dict(scheduler.deferred_free_blocks)
             return None
         sidecar = cls(agent, source)
         sidecar.publish(scheduler, engine_step=False)  # visible before the first step

@@ -34,8 +34,10 @@ TARGET = "atom.model_engine.scheduler"
 HOOKS = ("__init__", "postprocess", "_update_from_kv_xfer_finished", "get_request_counts")
 PTH_NAME = "kvsidecar-atom.pth"
 # One line, run by `site` at every interpreter start (a .pth line that starts with "import").
+# The same test as `active()` (settings' flag rule), without importing anything.
 PTH_LINE = (
     "import os; os.environ.get('KVSIDECAR_ATOM', '') not in ('', '0', 'false') and "
+    "os.environ.get('KVSIDECAR_DISABLE', '') in ('', '0', 'false') and "
     "__import__('kvsidecar.agent.engines.atom_hook', fromlist=['install']).install()\n"
 )
 _MARK = "_kvsidecar_patched"
@@ -107,8 +109,10 @@ def patch_scheduler_module(module: Any) -> bool:
     """Wrap ``module.Scheduler``'s hook methods (idempotent). False, logged, if one is missing."""
     try:
         cls = getattr(module, "Scheduler", None)
-        missing = "Scheduler" if cls is None else next(
-            (f"Scheduler.{h}" for h in HOOKS if not hasattr(cls, h)), None
+        missing = (
+            "Scheduler"
+            if cls is None
+            else next((f"Scheduler.{h}" for h in HOOKS if not hasattr(cls, h)), None)
         )
         if missing is not None:
             log.warning(
