@@ -86,6 +86,13 @@ DISABLE = _s(
     "`1`: no agent, no segment; engine plugins leave the engine untouched",
     AGENT,
 )
+ATOM = _s(
+    "ATOM",
+    "bool",
+    False,
+    "`1`: the start-up hook puts the agent into ATOM's engine core (docs/atom.md)",
+    AGENT,
+)
 ENGINE = _s("ENGINE", "str", "unknown", "engine label (`vllm`, `sglang`, ...)", AGENT)
 ENGINE_VERSION = _s("ENGINE_VERSION", "str", "", "engine version label", AGENT)
 MODEL_NAME = _s("MODEL_NAME", "str", "", "model label", AGENT)

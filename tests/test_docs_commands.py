@@ -161,7 +161,9 @@ def check(argv: list[str]) -> None:
     check_paths(argv)
     if prog in ("kvsidecar", ".venv/bin/kvsidecar"):
         check_cli(argv[1:])
-    elif prog in (".venv/bin/python", "/opt/kvsidecar/bin/python"):
+    elif prog in (".venv/bin/python", "/opt/kvsidecar/bin/python") or re.fullmatch(
+        r"/opt/[\w-]+/bin/python", prog
+    ):  # ours, or an engine's environment with kvsidecar installed (ATOM's)
         assert argv[1] == "-m", argv
         module, flags = argv[2], [a.split("=")[0] for a in argv[3:] if a.startswith("--")]
         if module == "kvsidecar":

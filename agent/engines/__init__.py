@@ -12,6 +12,7 @@ import importlib
 from typing import Any
 
 ENGINES: dict[str, str] = {
+    "atom": "kvsidecar.agent.engines.atom_hook:install",
     "kvcached": "kvsidecar.agent.engines.kvcached:KvcachedDictAdapter",
     "sglang": "kvsidecar.agent.engines.sglang:SGLangPoolSource",
     "vllm": "kvsidecar.agent.engines.vllm:register",
