@@ -31,8 +31,8 @@ from kvsidecar.daemon.budget import (
     Budget,
     OverBudget,
     check,
-    identity_error,
     exposition_estimate,
+    identity_error,
     sanitize,
 )
 from kvsidecar.discovery import scan_segments
