@@ -93,7 +93,7 @@ def _count(value: object) -> int:
 
 # The daemon's default --max-label-length: a longer string would get the whole target
 # refused there (tests/agent/test_agent_partial.py checks the two agree).
-LABEL_MAX = 256
+LABEL_MAX = MAX_LABEL_LENGTH  # a default daemon's --max-label-length
 _MARK = "\u2026"  # the marker of a shortened string: "…"
 
 
@@ -115,17 +115,9 @@ def _text(value: object) -> str:
 
 
 def _label(value: object) -> str:
-    """A label value within a default daemon's budget (segment-format.md section 8)."""
-    text = _text(value)
-    if len(text) > MAX_LABEL_LENGTH:
-        log.warning(
-            "kvsidecar: %r is %d characters; published as its first %d (daemon label budget)",
-            text[:40] + "...",
-            len(text),
-            MAX_LABEL_LENGTH,
-        )
-        return text[:MAX_LABEL_LENGTH]
-    return text
+    """A label value within a default daemon's budget (segment-format.md section 8):
+    shortened with a marker, never refused."""
+    return _text(value)
 
 
 def _default_instance() -> str:

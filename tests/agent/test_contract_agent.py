@@ -143,22 +143,27 @@ def test_pool_publishes_both_prefix_units_and_their_ratios_differ() -> None:
 
 
 def test_a_writer_keeps_within_a_default_daemons_label_budget(shm_dir: str) -> None:
-    """segment-format.md section 8: a long pool name is refused at registration (with the
-    fix), a long model name is shortened; a default daemon serves the rank."""
+    """segment-format.md section 8: a long pool name and a long model name are shortened
+    with a marker (issue 24: never refused); a default daemon serves the rank."""
     from kvsidecar.daemon.targets import TargetSet
+    from kvsidecar.agent.agent import shorten
     from kvsidecar.protocol.schema import MAX_LABEL_LENGTH
 
     long = "m" * 300
     agent = KVSidecarAgent("t", long, shm_dir=shm_dir, device="cpu", heartbeat_interval=0)
     try:
-        assert agent.register_pool(_pool(pool_name="p" * (MAX_LABEL_LENGTH + 1))) is False
-        assert agent.register_pool(_pool(pool_name="p" * MAX_LABEL_LENGTH)) is True
+        assert agent.register_pool(_pool(pool_name="p" * (MAX_LABEL_LENGTH + 1))) is True
+        assert agent.register_pool(_pool(pool_name="q" * MAX_LABEL_LENGTH)) is True
         agent.step()
         targets = TargetSet(shm_dir, names=[agent.segment_name], stale_after=3600)
         targets.poll_all()
         view = targets.targets[agent.segment_name].view
         targets.stop()
         assert view.state == "up", view.error
-        assert view.last.snapshot.runtime.model_name == long[:MAX_LABEL_LENGTH]
+        assert view.last.snapshot.runtime.model_name == shorten(long)
+        assert len(shorten(long)) == MAX_LABEL_LENGTH and "\u2026" in shorten(long)
+        names = [p.pool_name for p in view.last.snapshot.pools]
+        assert names[1] == "q" * MAX_LABEL_LENGTH
+        assert len(names[0]) == MAX_LABEL_LENGTH and "\u2026" in names[0]
     finally:
         agent.close()
