@@ -102,6 +102,16 @@ RUNTIME: tuple[MetricDef, ...] = (
         "last_publish_duration_ns",
         scale=1e-9,
     ),
+    MetricDef(
+        "kvsidecar_preemptions_total",
+        COUNTER,
+        "preemptions",
+        "Requests the engine preempted (KV freed to make room) since it started, as the engine "
+        "counts them. No series when the writer has no count (writers before schema v1.4; "
+        "only the ATOM adapter has one).",
+        "preemptions_total",
+        anchor="atom:preemptions (per rank)",
+    ),
 )
 
 ENGINE_INFO = MetricDef(

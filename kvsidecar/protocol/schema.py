@@ -32,8 +32,8 @@ import msgspec
 SCHEMA_MAJOR = 1
 # 1.1: token-unit prefix counters, oldest deferral, kvcached pages; 1.2: virtual_blocks,
 # protected_blocks (virtual_* = the reservation, as in kvcached); 1.3: runtime instance and
-# distinct deferred requests
-SCHEMA_MINOR = 3
+# distinct deferred requests; 1.4: runtime preemptions_total
+SCHEMA_MINOR = 4
 SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 
 ROLES = ("prefill", "decode", "both")
@@ -75,6 +75,10 @@ class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # several pools report counts without request ids). requests_deferred_free above keeps
     # its v1.0 meaning (0 when unsupported) for older readers.
     requests_deferred_free_distinct: int | None = None
+    # -- v1.4 ------------------------------------------------------------------
+    # Preemptions since the engine started, as the engine counts them (ATOM
+    # Scheduler.total_preemptions, its atom:preemptions); None when the writer has no count.
+    preemptions_total: int | None = None
 
 
 class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
