@@ -13,7 +13,8 @@ Field by field (ATOM's ``collect_metrics()`` key -> ours), all O(1) reads per pu
   reserve ledger: ``reserved_blocks`` = 0.
 * ``cached_blocks``: free blocks still reachable by hash (``len(BlockPool._cached)``).
   Not ATOM's ``kv_blocks_indexed``, which also counts live blocks.
-* ``requests_running`` / ``requests_waiting``: ``Scheduler.get_request_counts()``.
+* ``requests_running`` / ``requests_waiting``: ``Scheduler.get_request_counts()``;
+  ``preemptions`` (``Scheduler.total_preemptions``) -> runtime ``preemptions_total``.
 * Prefix cache (``cache.full_tokens`` / ``cache.cached_tokens``, tokens as vLLM counts them)
   -> ``prefix_query_tokens_total`` / ``prefix_hit_tokens_total``; null without prefix caching.
 * Deferred frees, PR #3238's ``requests_deferred_free`` / ``kv_cache_blocks_deferred_free``:
@@ -296,6 +297,8 @@ class AtomSidecar:
             if not engine_step:
                 agent.runtime.step -= 1  # a republish (KV transfers done), not a new step
             running, waiting = scheduler.get_request_counts()
+            preemptions = getattr(scheduler, "total_preemptions", None)
+            agent.runtime.preemptions_total = None if preemptions is None else int(preemptions)
             agent.step(running, waiting, len(self.source.current_deferred()))
         except Exception as e:
             _log_once("publish", "kvsidecar publish failed (engine unaffected): %r", e)

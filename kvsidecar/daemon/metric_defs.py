@@ -105,11 +105,12 @@ RUNTIME: tuple[MetricDef, ...] = (
     MetricDef(
         "kvsidecar_preemptions_total",
         COUNTER,
-        "requests",
-        "Requests preempted (their KV freed to make room; recomputed when rescheduled), each "
-        "preemption counted once. Only where the engine preempts (vLLM).",
+        "preemptions",
+        "Preemptions since the engine started (a request's KV freed to make room, recomputed "
+        "when rescheduled), each counted once, as the engine counts them. No series where the "
+        "writer has no count (SGLang, kvcached, our pool, writers before schema v1.4).",
         "preemptions_total",
-        anchor="vllm:num_preemptions_total",
+        anchor="vllm:num_preemptions_total, atom:preemptions (per rank)",
     ),
 )
 

@@ -77,8 +77,9 @@ class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     # its v1.0 meaning (0 when unsupported) for older readers.
     requests_deferred_free_distinct: int | None = None
     # -- v1.4 ------------------------------------------------------------------
-    # Requests preempted (KV freed to make room, recomputed later) since the agent started;
-    # None where the engine has no preemption or the writer cannot see it.
+    # Preemptions since the engine started, each once, as the engine counts them (vLLM
+    # Scheduler._preempt_request calls; ATOM Scheduler.total_preemptions); None when the
+    # writer has no count.
     preemptions_total: int | None = None
 
 

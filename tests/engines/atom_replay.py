@@ -7,8 +7,8 @@ of what happened, in order:
   request's block table at insert);
 * ``publish`` with ``tag`` ``step`` (after ``postprocess``) or ``xfer`` (after
   ``_update_from_kv_xfer_finished``): ATOM's scheduler state then (pool counters, cached
-  blocks recounted by brute force, running/waiting, prefix-cache totals) and the deferred
-  counts by PR #3238's method (``len`` + a block mask) and by a brute-force set;
+  blocks recounted by brute force, running/waiting, preemptions, prefix-cache totals) and
+  the deferred counts by PR #3238's method (``len`` + a block mask) and by a brute-force set;
 * ``publish`` with ``tag`` ``push``: ATOM's own ``collect_metrics()`` values at a metrics push,
   which the segment (last published before it) must equal.
 
@@ -51,6 +51,7 @@ class _Scheduler:
         self.cache_stats = SimpleNamespace(total_full_tokens=0, total_cached_tokens=0)
         self.config = SimpleNamespace(kv_cache_block_size=block_size)
         self.counts = (0, 0)
+        self.total_preemptions = 0
 
     def get_request_counts(self) -> tuple[int, int]:
         return self.counts
@@ -63,6 +64,7 @@ class _Scheduler:
         self.cache_stats.total_full_tokens = e["cache"]["full_tokens"]
         self.cache_stats.total_cached_tokens = e["cache"]["cached_tokens"]
         self.counts = (e["running"], e["waiting"])
+        self.total_preemptions = e["preemptions"]
 
 
 def replay(trace: list[dict[str, Any]], shm_dir: str) -> tuple[list[str], dict[str, int]]:
@@ -130,6 +132,7 @@ def _compare(reader: SegmentReader, e: dict[str, Any], oldest: int) -> list[str]
         "runtime.requests_running": e["running"],
         "runtime.requests_waiting": e["waiting"],
         "runtime.requests_deferred_free_distinct": e["expect"]["requests"],
+        "runtime.preemptions_total": e["preemptions"],
     }
     atom = e.get("atom")
     if atom is not None:  # ATOM's own collect_metrics() at this push
@@ -138,6 +141,7 @@ def _compare(reader: SegmentReader, e: dict[str, Any], oldest: int) -> list[str]
         want["pool.total_blocks"] = atom["kv_blocks_total"]
         want["runtime.requests_running"] = atom["requests_running"]
         want["runtime.requests_waiting"] = atom["requests_waiting"]
+        want["runtime.preemptions_total"] = atom["preemptions"]
     problems = []
     if e["expect"]["blocks_brute"] != e["expect"]["blocks_pr3238"]:
         problems.append("recorded brute-force and PR #3238 counts differ")
