@@ -145,8 +145,8 @@ def test_pool_publishes_both_prefix_units_and_their_ratios_differ() -> None:
 def test_a_writer_keeps_within_a_default_daemons_label_budget(shm_dir: str) -> None:
     """segment-format.md section 8: a long pool name and a long model name are shortened
     with a marker (issue 24: never refused); a default daemon serves the rank."""
-    from kvsidecar.daemon.targets import TargetSet
     from kvsidecar.agent.agent import shorten
+    from kvsidecar.daemon.targets import TargetSet
     from kvsidecar.protocol.schema import MAX_LABEL_LENGTH
 
     long = "m" * 300
