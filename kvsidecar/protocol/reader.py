@@ -275,10 +275,12 @@ class SegmentReader:
             return check_header(layout.Header(raw), len(mm), self.path) or Corrupt(
                 f"segment {self.path}: header changed under the reader"
             )
-        n = array_len(payload)
-        if n is None or n < 2:
-            # One msgpack array [runtime, pools, ...]: `[runtime]` alone is not a snapshot.
-            return Corrupt(f"segment {self.path}: payload is not a [runtime, pools] array")
+        # One msgpack array [runtime, pools, ...]: `[runtime]` alone is not a snapshot. The
+        # usual header (a fixarray of 2..15) is one comparison; others are parsed.
+        if not (payload and 0x92 <= payload[0] <= 0x9F):
+            n = array_len(payload)
+            if n is None or n < 2:
+                return Corrupt(f"segment {self.path}: payload is not a [runtime, pools] array")
         rejected: tuple[str, ...] = ()
         try:
             snapshot = self._decoder.decode(payload)

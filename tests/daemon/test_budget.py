@@ -221,7 +221,9 @@ def test_huge_directory_is_refused_before_it_is_decoded(
     # A hostile writer: ours refuses to create such a directory.
     monkeypatch.setattr(writer, "MAX_DIRECTORY_BYTES", 1 << 30)
     caps = current_capabilities()
-    huge = Capabilities(**{**msgspec.structs.asdict(caps), "pool_fields": [""] * 100_000})
+    huge = Capabilities(
+        **{**msgspec.structs.asdict(caps), "pool_fields": [*caps.pool_fields, *[""] * 100_000]}
+    )
     w = SegmentWriter(EVIL, shm_dir=shm_dir, capabilities=huge)
     try:
         w.publish(sample_snapshot(1))
