@@ -217,3 +217,39 @@ def test_agent_lines_go_through_vllms_logger(tmp_path):
     assert re.search(
         r"WARNING \d\d-\d\d \d\d:\d\d:\d\d \[[\w.]+:\d+\] kvsidecar agent disabled", lines[0]
     ), lines
+
+
+def test_expiry_is_told_from_completed_reads_by_the_steps_own_count():
+    """One step's finished_sending mixing a lease expiry and completed READs (NixlConnector
+    reports only how many expired): counts exact, the expired blocks are the oldest
+    deferral's; a step without an expiry count marks none; the real pair covers the rest
+    (tests/engines/test_vllm_pd.py)."""
+    from types import SimpleNamespace as NS
+
+    from kvsidecar.agent.engines.vllm import VllmPoolSource, VllmSidecar
+
+    src = VllmPoolSource.__new__(VllmPoolSource)  # only the deferral bookkeeping is used
+    src.stats = NS(deferred_free_ended_total=None, deferred_free_expired_total=None)
+    src._holders, src.deferred_blocks, src.deferred_requests = {}, 0, 0
+    src._since = {}
+    src.start_deferral_counters(tracks_expiry=True)
+    sidecar = VllmSidecar(agent=None, sources=[src], tracks_expiry=True)
+    blocks = {"old": [1, 2, 3], "mid": [4], "new": [5, 6]}
+    for t, (rid, ids) in enumerate(blocks.items()):
+        src._request_block_ids = lambda _rid, ids=ids: ids
+        sidecar._deferred[rid] = (t, [src.defer(rid, t)])  # deferred at t: "old" first
+
+    def step(ids: set[str], expired: int) -> None:
+        stats = NS(data={"num_kv_expired_reqs": [1] * expired}) if expired else None
+        out = NS(kv_connector_output=NS(finished_sending=ids, kv_connector_stats=stats))
+        sidecar.note_connector_output(out)
+        for rid in ids:
+            sidecar.before_free_blocks(NS(request_id=rid))
+
+    step({"new", "old"}, expired=1)  # mixed: the oldest is taken as the expired one
+    s = src.stats
+    assert (s.deferred_free_ended_total, s.deferred_free_ended_blocks_total) == (2, 5)
+    assert (s.deferred_free_expired_total, s.deferred_free_expired_blocks_total) == (1, 3)
+    step({"mid"}, expired=0)  # a completed READ
+    assert (s.deferred_free_ended_total, s.deferred_free_expired_total) == (3, 1)
+    assert src.deferred_requests == src.deferred_blocks == 0 and not sidecar._deferred
