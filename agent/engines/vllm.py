@@ -195,12 +195,12 @@ def register() -> None:
     try:
         if _disabled():
             return
-        _log_through_vllm()
-        _patch_process_manager()
         try:
             from vllm.config.scheduler import SchedulerConfig
         except Exception:  # vLLM absent (or not this layout): nothing to do
             return
+        _log_through_vllm()  # only inside vLLM: elsewhere kvsidecar's logging is untouched
+        _patch_process_manager()
         original = getattr(SchedulerConfig, "get_scheduler_cls", None)
         if original is None:
             _log_once(
