@@ -136,6 +136,7 @@ class Target:
         self.view = TargetView(name=name)
         self.cost = 0  # exposition_estimate of the last good snapshot: the aggregate budget
         self.shed = ""  # why the aggregate budget sheds it ("" = served)
+        self.ever_up = False  # a target never up since admission is junk at --max-targets
         self._incarnation = 0
         self._checked: tuple[int, int] | None = None  # (incarnation, seq) of v.last's snapshot
 
@@ -153,6 +154,7 @@ class Target:
             )
             log.log(level, "%s: %s -> %s %s", self.name, self.view.state, view.state, view.error)
         self.view = view
+        self.ever_up = self.ever_up or view.up
         return view
 
     def _poll(self) -> TargetView:
@@ -472,18 +474,26 @@ class TargetSet:
         for name in [n for n in refused if n not in listed]:
             del refused[name]
         room = len(self.targets) < self.max_targets
+        # At the cap, files refused for it are looked at again, a few per scan, while a
+        # target that was never up holds a slot: a live engine may take that slot.
+        retry = self.recheck_per_scan if room or self._junk() is not None else 0
         new = []
         for name in found - self.targets.keys():
             entry = refused.get(name)
             # The same refused file as before costs nothing (the inode comes from readdir).
-            if (
-                entry is None
-                or entry.ino != listed.get(name, 0)
-                or (room and entry.reason == "max_targets")
-            ):
+            if entry is None or entry.ino != listed.get(name, 0):
+                new.append(name)
+            elif entry.reason == "max_targets" and retry:
+                retry -= 1
                 new.append(name)
         for name in sorted(new, key=lambda n: (n not in explicit, n)):
             self._consider(name, listed.get(name, 0), name in explicit)
+
+    def _junk(self) -> Target | None:
+        """The target admitted longest ago that has never been up (dead, empty or corrupt
+        from its first read), if any: what a live engine may displace at --max-targets."""
+        never_up = [t for t in self.targets.values() if not t.ever_up and not t.explicit]
+        return min(never_up, key=lambda t: t.admitted_mono) if never_up else None
 
     def _consider(self, name: str, ino: int, explicit: bool) -> None:
         entry = self._refused.get(name)
@@ -505,9 +515,10 @@ class TargetSet:
                 if reason is not None:
                     self._refuse(name, reason, ino, key, uid=st.st_uid)
                     return
-            if len(self.targets) >= self.max_targets:
-                self._refuse(name, "max_targets", ino, key)
-                return
+        full = not explicit and len(self.targets) >= self.max_targets
+        if full and self._junk() is None:
+            self._refuse(name, "max_targets", ino, key)
+            return
         target = Target(
             name,
             self.shm_dir,
@@ -517,6 +528,18 @@ class TargetSet:
             explicit=explicit,
         )
         view = target.poll(log_transitions=False)
+        if full:
+            junk = self._junk()
+            if not view.up or junk is None:  # junk never displaces junk
+                target.close()
+                self._refuse(name, "max_targets", ino, key)
+                return
+            log.warning(
+                "%s: --max-targets %d reached: dropping %s (never up: %s) for it",
+                name, self.max_targets, junk.name, junk.view.state,
+            )  # fmt: skip
+            self.targets.pop(junk.name).close()
+            self._refuse(junk.name, "max_targets")
         if not explicit:
             if view.error_kind == "not_found":
                 target.close()
