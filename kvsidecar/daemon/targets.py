@@ -15,6 +15,7 @@ failing ``listdir`` keeps every known target (see docs/security.md).
 
 from __future__ import annotations
 
+import collections
 import errno
 import logging
 import os
@@ -70,6 +71,33 @@ _TRANSIENT = {
 }
 
 log = logging.getLogger("kvsidecar.targets")
+TRANSITION_LOG_S = 10.0
+
+
+class NameThrottle:
+    """Log lines about one target name, a token bucket per name: `BURST` lines at once,
+    then one per `TRANSITION_LOG_S`; the lines held back are counted in the next one (a
+    flapping writer logged ~5.7 lines a second, one per change). Keyed by name across
+    forgetting and re-finding; bounded, the oldest names dropped first."""
+
+    BURST = 5
+
+    def __init__(self, interval: float = TRANSITION_LOG_S, names: int = 4096) -> None:
+        self.interval, self.names = interval, names
+        self._seen: collections.OrderedDict[str, list] = collections.OrderedDict()
+
+    def __call__(self, name: str, level: int, message: str, *args: object) -> None:
+        now = time.monotonic()
+        tokens, last, held = self._seen.pop(name, (self.BURST, now, 0))
+        tokens = min(self.BURST, tokens + (now - last) / self.interval)
+        if tokens < 1:
+            self._seen[name] = [tokens, now, held + 1]
+            return
+        more = f" ({held} more held back)" if held else ""
+        log.log(level, "%s: " + message + "%s", name, *args, more)
+        self._seen[name] = [tokens - 1, now, 0]
+        if len(self._seen) > self.names:
+            self._seen.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -124,8 +152,10 @@ class Target:
         allowed_uids: frozenset[int] | None = None,
         budget: Budget | None = None,
         explicit: bool = False,
+        note: NameThrottle | None = None,
     ) -> None:
         self.name = name
+        self.note = note or NameThrottle()  # its log lines, throttled per name
         self.stale_after = stale_after
         self.budget = budget or Budget()
         self.explicit = explicit
@@ -147,15 +177,16 @@ class Target:
         except Exception as e:  # a bug must not take the daemon down with it
             view = replace(self.view, state=CORRUPT, error=f"internal error: {e!r}")
         if log_transitions and view.state != self.view.state:
-            level = (
-                logging.INFO
-                if view.state == UP or view.error_kind == CLOSED_KIND
-                else logging.WARNING
-            )
-            log.log(level, "%s: %s -> %s %s", self.name, self.view.state, view.state, view.error)
+            self._log_transition(view)
         self.view = view
         self.ever_up = self.ever_up or view.up
         return view
+
+    def _log_transition(self, view: TargetView) -> None:
+        level = (
+            logging.INFO if view.state == UP or view.error_kind == CLOSED_KIND else logging.WARNING
+        )
+        self.note(self.name, level, "%s -> %s %s", self.view.state, view.state, view.error)
 
     def _poll(self) -> TargetView:
         v = self.view
@@ -360,6 +391,7 @@ class TargetSet:
         self._recheck_queue: list[str] = []
         self.targets: dict[str, Target] = {}
         self._refused: dict[str, _Refused] = {}
+        self._note = NameThrottle()  # per-name log lines (found, gone, state changes)
         self.refusals_total: dict[str, int] = {}  # by reason: each refused file counted once
         self.discovery_errors_total: dict[str, int] = {}  # by cause (errno name)
         self.discovery_error = ""  # "" while listing the directory works
@@ -468,7 +500,7 @@ class TargetSet:
         explicit = set(self.explicit)
         found = explicit | listed.keys()
         for name in sorted(self.targets.keys() - found):
-            log.info("%s: gone, forgetting it", name)
+            self._note(name, logging.INFO, "gone, forgetting it")
             self.targets.pop(name).close()
         refused = self._refused
         for name in [n for n in refused if n not in listed]:
@@ -526,6 +558,7 @@ class TargetSet:
             allowed_uids=self.allowed_uids,
             budget=self.budget,
             explicit=explicit,
+            note=self._note,
         )
         view = target.poll(log_transitions=False)
         if full:
@@ -555,7 +588,7 @@ class TargetSet:
                 self._refuse(name, "unreadable", ino, key, view.error)
                 return
         if view.state != NOT_READY:
-            log.info("%s: found, %s %s", name, view.state, view.error)
+            self._note(name, logging.INFO, "found, %s %s", view.state, view.error)
         self._refused.pop(name, None)
         self.targets[name] = target
 
