@@ -168,6 +168,11 @@ class Target:
         self.shed = ""  # why the aggregate budget sheds it ("" = served)
         self.ever_up = False  # a target never up since admission is junk at --max-targets
         self._incarnation = 0
+        # Liveness by progress on our own clock: the last (incarnation, heartbeat, seq)
+        # seen and when it changed. The writer's clock alone misjudged a writer in another
+        # time namespace (its CLOCK_MONOTONIC offset): hung = up forever, live = stale.
+        self._beat: tuple[int, int, int] | None = None
+        self._beat_seen = 0
         self._checked: tuple[int, int] | None = None  # (incarnation, seq) of v.last's snapshot
 
     def poll(self, log_transitions: bool = True) -> TargetView:
@@ -181,6 +186,19 @@ class Target:
         self.view = view
         self.ever_up = self.ever_up or view.up
         return view
+
+    def _still_for(self, result: Reading, now: int) -> float:
+        """Seconds, on the daemon's clock, since the writer last showed progress. At first
+        sight the writer's own age is believed up to just past stale_after (so an engine
+        already hung reads stale at once when the clocks agree); after that only a
+        changed heartbeat or sequence counts, whatever the writer's clock says."""
+        beat = (result.incarnation, result.heartbeat_mono_ns, result.seq)
+        if self._beat is None or beat[0] != self._beat[0]:
+            age = min(max(0.0, result.age_seconds(now)), self.stale_after + 1.0)
+            self._beat, self._beat_seen = beat, now - int(age * 1e9)
+        elif beat != self._beat:
+            self._beat, self._beat_seen = beat, now
+        return (now - self._beat_seen) / 1e9
 
     def _log_transition(self, view: TargetView) -> None:
         level = (
@@ -248,10 +266,10 @@ class Target:
         self._incarnation = result.incarnation
         if not reader.writer_alive():
             state, error = DEAD, f"segment {self.name}: writer is gone (no process holds its lock)"
-        elif result.age_seconds(now) > self.stale_after:
+        elif (still := self._still_for(result, now)) > self.stale_after:
             state = STALE
             error = (
-                f"segment {self.name}: heartbeat {result.age_seconds(now):.1f}s old "
+                f"segment {self.name}: heartbeat not advanced for {still:.1f}s "
                 f"(> {self.stale_after}s): engine hung or stopped"
             )
         else:
