@@ -15,6 +15,7 @@ failing ``listdir`` keeps every known target (see docs/security.md).
 
 from __future__ import annotations
 
+import collections
 import errno
 import heapq
 import logging
@@ -80,6 +81,33 @@ _TRANSIENT = {
 }
 
 log = logging.getLogger("kvsidecar.targets")
+TRANSITION_LOG_S = 10.0
+
+
+class NameThrottle:
+    """Log lines about one target name, a token bucket per name: `BURST` lines at once,
+    then one per `TRANSITION_LOG_S`; the lines held back are counted in the next one (a
+    flapping writer logged ~5.7 lines a second, one per change). Keyed by name across
+    forgetting and re-finding; bounded, the oldest names dropped first."""
+
+    BURST = 5
+
+    def __init__(self, interval: float = TRANSITION_LOG_S, names: int = 4096) -> None:
+        self.interval, self.names = interval, names
+        self._seen: collections.OrderedDict[str, list] = collections.OrderedDict()
+
+    def __call__(self, name: str, level: int, message: str, *args: object) -> None:
+        now = time.monotonic()
+        tokens, last, held = self._seen.pop(name, (self.BURST, now, 0))
+        tokens = min(self.BURST, tokens + (now - last) / self.interval)
+        if tokens < 1:
+            self._seen[name] = [tokens, now, held + 1]
+            return
+        more = f" ({held} more held back)" if held else ""
+        log.log(level, "%s: " + message + "%s", name, *args, more)
+        self._seen[name] = [tokens - 1, now, 0]
+        if len(self._seen) > self.names:
+            self._seen.popitem(last=False)
 
 
 @dataclass(frozen=True)
@@ -135,8 +163,10 @@ class Target:
         allowed_uids: frozenset[int] | None = None,
         budget: Budget | None = None,
         explicit: bool = False,
+        note: NameThrottle | None = None,
     ) -> None:
         self.name = name
+        self.note = note or NameThrottle()  # its log lines, throttled per name
         self.stale_after = stale_after
         self.budget = budget or Budget()
         self.explicit = explicit
@@ -147,7 +177,13 @@ class Target:
         self.view = TargetView(name=name)
         self.cost = 0  # exposition_estimate of the last good snapshot: the aggregate budget
         self.shed = ""  # why the aggregate budget sheds it ("" = served)
+        self.ever_up = False  # a target never up since admission is junk at --max-targets
         self._incarnation = 0
+        # Liveness by progress on our own clock: the last (incarnation, heartbeat, seq)
+        # seen and when it changed. The writer's clock alone misjudged a writer in another
+        # time namespace (its CLOCK_MONOTONIC offset): hung = up forever, live = stale.
+        self._beat: tuple[int, int, int] | None = None
+        self._beat_seen = 0
         self._checked: tuple[int, int] | None = None  # (incarnation, seq) of v.last's snapshot
 
     def poll(self, log_transitions: bool = True) -> TargetView:
@@ -157,16 +193,31 @@ class Target:
         except Exception as e:  # a bug must not take the daemon down with it
             view = replace(self.view, state=CORRUPT, error=f"internal error: {e!r}")
         if log_transitions and view.state != self.view.state:
-            level = (
-                logging.INFO
-                if view.state == UP or view.error_kind == CLOSED_KIND
-                else logging.WARNING
-            )
-            # The error names the segment itself ("segment NAME: ..."): not twice per line.
-            why = view.error.removeprefix(f"segment {self.name}: ")
-            log.log(level, "%s: %s -> %s%s", self.name, self.view.state, view.state, _sep(why))
+            self._log_transition(view)
         self.view = view
+        self.ever_up = self.ever_up or view.up
         return view
+
+    def _still_for(self, result: Reading, now: int) -> float:
+        """Seconds, on the daemon's clock, since the writer last showed progress. At first
+        sight the writer's own age is believed up to just past stale_after (so an engine
+        already hung reads stale at once when the clocks agree); after that only a
+        changed heartbeat or sequence counts, whatever the writer's clock says."""
+        beat = (result.incarnation, result.heartbeat_mono_ns, result.seq)
+        if self._beat is None or beat[0] != self._beat[0]:
+            age = min(max(0.0, result.age_seconds(now)), self.stale_after + 1.0)
+            self._beat, self._beat_seen = beat, now - int(age * 1e9)
+        elif beat != self._beat:
+            self._beat, self._beat_seen = beat, now
+        return (now - self._beat_seen) / 1e9
+
+    def _log_transition(self, view: TargetView) -> None:
+        level = (
+            logging.INFO if view.state == UP or view.error_kind == CLOSED_KIND else logging.WARNING
+        )
+        # The error names the segment itself ("segment NAME: ..."): not twice per line.
+        why = view.error.removeprefix(f"segment {self.name}: ")
+        self.note(self.name, level, "%s -> %s%s", self.view.state, view.state, _sep(why))
 
     def _poll(self) -> TargetView:
         v = self.view
@@ -236,9 +287,9 @@ class Target:
             closed = _closed(reader)
             state, error = DEAD, dead_message(self.name, closed)
             kind = CLOSED_KIND if closed else ""
-        elif result.age_seconds(now) > self.stale_after:
+        elif (still := self._still_for(result, now)) > self.stale_after:
             state = STALE
-            error = stale_message(self.name, result, result.age_seconds(now), self.stale_after)
+            error = stale_message(self.name, result, still, self.stale_after)
             kind = PUBLISH_FAILING_KIND if result.publish_failing else ""
         else:
             state, error = UP, ""
@@ -382,6 +433,7 @@ class TargetSet:
         self._recheck_queue: list[str] = []
         self.targets: dict[str, Target] = {}
         self._refused: dict[str, _Refused] = {}
+        self._note = NameThrottle()  # per-name log lines (found, gone, state changes)
         self.refusals_total: dict[str, int] = {}  # by reason: each refused file counted once
         self.discovery_errors_total: dict[str, int] = {}  # by cause (errno name)
         self.discovery_error = ""  # "" while listing the directory works
@@ -508,24 +560,32 @@ class TargetSet:
         explicit = set(self.explicit)
         found = explicit | listed.keys()
         for name in sorted(self.targets.keys() - found):
-            log.info("%s: gone, forgetting it", name)
+            self._note(name, logging.INFO, "gone, forgetting it")
             self.targets.pop(name).close()
         refused = self._refused
         for name in [n for n in refused if n not in listed]:
             del refused[name]
         room = len(self.targets) < self.max_targets
+        # At the cap, files refused for it are looked at again, a few per scan, while a
+        # target that was never up holds a slot: a live engine may take that slot.
+        retry = self.recheck_per_scan if room or self._junk() is not None else 0
         new = []
         for name in found - self.targets.keys():
             entry = refused.get(name)
             # The same refused file as before costs nothing (the inode comes from readdir).
-            if (
-                entry is None
-                or entry.ino != listed.get(name, 0)
-                or (room and entry.reason == "max_targets")
-            ):
+            if entry is None or entry.ino != listed.get(name, 0):
+                new.append(name)
+            elif entry.reason == "max_targets" and retry:
+                retry -= 1
                 new.append(name)
         for name in sorted(new, key=lambda n: (n not in explicit, n)):
             self._consider(name, listed.get(name, 0), name in explicit)
+
+    def _junk(self) -> Target | None:
+        """The target admitted longest ago that has never been up (dead, empty or corrupt
+        from its first read), if any: what a live engine may displace at --max-targets."""
+        never_up = [t for t in self.targets.values() if not t.ever_up and not t.explicit]
+        return min(never_up, key=lambda t: t.admitted_mono) if never_up else None
 
     def _consider(self, name: str, ino: int, explicit: bool) -> None:
         entry = self._refused.get(name)
@@ -553,9 +613,10 @@ class TargetSet:
                     )
                     self._refuse(name, reason, ino, key, why, uid=st.st_uid)
                     return
-            if len(self.targets) >= self.max_targets:
-                self._refuse(name, "max_targets", ino, key)
-                return
+        full = not explicit and len(self.targets) >= self.max_targets
+        if full and self._junk() is None:
+            self._refuse(name, "max_targets", ino, key)
+            return
         target = Target(
             name,
             self.shm_dir,
@@ -563,8 +624,21 @@ class TargetSet:
             allowed_uids=self.allowed_uids,
             budget=self.budget,
             explicit=explicit,
+            note=self._note,
         )
         view = target.poll(log_transitions=False)
+        if full:
+            junk = self._junk()
+            if not view.up or junk is None:  # junk never displaces junk
+                target.close()
+                self._refuse(name, "max_targets", ino, key)
+                return
+            log.warning(
+                "%s: --max-targets %d reached: dropping %s (never up: %s) for it",
+                name, self.max_targets, junk.name, junk.view.state,
+            )  # fmt: skip
+            self.targets.pop(junk.name).close()
+            self._refuse(junk.name, "max_targets")
         if not explicit:
             if view.error_kind == "not_found":
                 target.close()
@@ -583,7 +657,7 @@ class TargetSet:
         if view.state != NOT_READY:
             why = view.error.removeprefix(f"segment {name}: ")
             level = logging.INFO if view.state == UP else logging.WARNING  # corrupt, stale, ...
-            log.log(level, "%s: found, %s%s", name, view.state, _sep(why))
+            self._note(name, level, "found, %s%s", view.state, _sep(why))
         self._refused.pop(name, None)
         self.targets[name] = target
 

@@ -560,7 +560,7 @@ def dead_message(name: str, closed: bool) -> str:
 
 def stale_message(name: str, reading: Reading, age: float, stale_after: float) -> str:
     """Why a live writer's heartbeat is old: failing publishes, or a hung engine."""
-    head = f"segment {name}: heartbeat {age:.1f}s old (> {stale_after}s)"
+    head = f"segment {name}: heartbeat not advanced for {age:.1f}s (> {stale_after}s)"
     if reading.publish_failing:
         return (
             f"{head}: the engine steps but every publish fails ("
