@@ -13,9 +13,8 @@ from agent import KVSidecarAgent
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import layout, names
 from kvsidecar.protocol.reader import Stale, WriterDead, read_segment
-from kvsidecar.protocol.schema import Capabilities, current_capabilities
+from kvsidecar.protocol.schema import Capabilities, KVCachePoolSnapshot, current_capabilities
 from kvsidecar.protocol.writer import SegmentError, SegmentWriter
-from tests.agent.test_agent_contract import _FlakySource
 from tests.faults.writers import _fork
 
 from ..protocol_helpers import sample_snapshot
@@ -74,11 +73,23 @@ def test_name_pattern_matches_the_whole_name() -> None:
             names.validate_name(bad)
 
 
+class _OutgrowingSource:
+    """A pool whose record outgrows the slot once broken: every publish fails whole (a
+    pool that merely raises is left out and the rest still published, issue 24)."""
+
+    def __init__(self) -> None:
+        self.broken = False
+
+    def snapshot(self) -> KVCachePoolSnapshot:
+        integration = "x" * (64 << 10) if self.broken else None  # > the 16 KiB slot
+        return KVCachePoolSnapshot(pool_name="grows", total_blocks=8, integration=integration)
+
+
 def test_an_engine_stepping_with_every_publish_failing_is_not_called_hung(shm_dir: str) -> None:
     """Section 2: last_publish_error_mono_ns newer than the heartbeat = failing right now.
     The heartbeat moves only on successful publishes, so the segment goes stale; the
     verdict must say the publishes fail, not that the engine hung."""
-    source = _FlakySource()
+    source = _OutgrowingSource()
     # No idle heartbeat: this test ages the segment on purpose.
     agent = KVSidecarAgent("test", shm_dir=shm_dir, segment_name=NAME, heartbeat_interval=0)
     try:
@@ -93,7 +104,7 @@ def test_an_engine_stepping_with_every_publish_failing_is_not_called_hung(shm_di
         targets.poll_all()
         view = targets.targets[NAME].view
         assert view.state == "stale" and view.error_kind == "publish_failing", view
-        assert "every publish fails" in view.error and "pool_source" in view.error
+        assert "every publish fails" in view.error and "too_large" in view.error
         assert "hung" not in view.error
         result = read_segment(NAME, shm_dir=shm_dir, stale_after=0.05)
         assert isinstance(result, Stale) and "every publish fails" in str(result)
