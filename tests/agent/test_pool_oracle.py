@@ -16,6 +16,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import hypothesis.strategies as st
+import pytest
 import torch
 from hypothesis import HealthCheck, settings
 from hypothesis.stateful import (
@@ -613,6 +614,9 @@ SETTINGS = settings(
 )
 
 
+# Fixed work (MAX_EXAMPLES sequences, derandomized), so the timeout is a hang guard only:
+# beside two CPU burners at load average ~30 it ran past the suite's default 300 s.
+@pytest.mark.timeout(900)
 def test_pool_oracle():
     before_seq, before_steps = SEQUENCES, STEPS_RUN
     t0 = time.perf_counter()
