@@ -431,12 +431,15 @@ class Run:
                 num_kv_buffers=2,
                 block_size_tokens=BLOCK,
                 block_size_bytes=self.page // 2,
-                virtual_per_layer_bytes=total * self.page,
+                # The storage (schema 1.4, #22): num_gpu_blocks blocks, the null one included.
+                virtual_blocks=total + 1,
+                virtual_per_layer_bytes=(total + 1) * self.page,
                 mapped_bytes=sum(t.size for t in self.kv_config.kv_cache_tensors) if i == 0 else 0,
                 tokens_used=None,
                 reserved_blocks=0,
             )
             if unit is not None:
+                want["virtual_total_bytes"] = (total + 1) * unit
                 want["allocated_bytes"] = want["allocated_blocks"] * unit
                 want["available_bytes"] = want["available_blocks"] * unit
             for k in list(want)[len(got) :]:
