@@ -177,10 +177,18 @@ def test_held_kv_equals_what_prefill_holds_and_lasts_the_proxy_delay(pair, proxy
     held_ids = params["remote_block_ids"]
     n_blocks = len({b for group in held_ids for b in group})  # per KV-cache group lists
     assert wait_until(lambda: prefill_state(pair)["deferred_free_requests"] == 1, 5)
+    # Sample until the proxy's delay is over and one sample was quiescent. The test is the
+    # proxy here (decode is called below), so the hold lasts as long as it samples; half the
+    # lease bounds it. At least one sample: a slow first scrape must not leave none.
     samples = []
-    while time.monotonic() - t_prefilled < DELAY_S:
+    while True:
         t = time.monotonic()  # before the reads: the age is read first
         samples.append((t, prefill_state(pair, settle=0.3)))
+        elapsed = time.monotonic() - t_prefilled
+        if elapsed >= DELAY_S and any(s["quiescent"] for _, s in samples):
+            break
+        if elapsed >= LEASE_S / 2:
+            break
     # Held: kvsidecar's deferred = vLLM's usage = the blocks prefill told decode to read.
     quiet = [s for _, s in samples if s["quiescent"]]
     assert quiet, samples
