@@ -43,11 +43,9 @@ def test_a_swapped_web_config_never_stops_the_server(
         daemon.send_signal(signal.SIGHUP)
         time.sleep(0.5)
         assert _probe(port, "/-/healthy", None, timeout=2.0)[0], "answered after SIGHUP"
-        t0 = time.monotonic()
         daemon.send_signal(signal.SIGTERM)
         # Generous: a loaded host stops it in well under a second; cb621d7 took > 10 s.
-        assert daemon.wait(8) == 0, "SIGTERM is obeyed after the SIGHUP"
-        assert time.monotonic() - t0 < 8
+        assert daemon.wait(8) == 0, "SIGTERM is obeyed after the SIGHUP"  # wait() bounds it
     finally:
         stop_daemon(daemon)
 
