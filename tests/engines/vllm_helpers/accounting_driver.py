@@ -19,7 +19,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import TINY_LLAMA, engine_env, llm_kwargs, write_model
+from common import TINY_LLAMA, engine_env, llm_kwargs, recount_pool, write_model
 
 BLOCK = 32
 NUM_GPU_BLOCKS = 64
@@ -27,33 +27,10 @@ NUM_GPU_BLOCKS = 64
 
 def recount(sched) -> dict:
     """Every published pool/runtime field, recounted from vLLM's own objects."""
-    manager = sched.kv_cache_manager
-    pool = manager.block_pool
-    blocks = [b for b in pool.blocks if not b.is_null]
-    managers = [m for m in manager.coordinator.single_type_managers if m.block_pool is pool]
-    deferred = [r for r in sched.requests.values() if r.is_finished()]
-    held: set[int] = set()
-    holding = 0
-    blocks_of: dict[str, int] = {}
-    for r in deferred:
-        ids = {
-            b.block_id
-            for m in managers
-            for b in m.req_to_blocks.get(r.request_id, ())
-            if not b.is_null
-        }
-        if ids:
-            holding += 1
-            held |= ids
-            blocks_of[r.request_id] = len(ids)
+    fields, deferred, blocks_of = recount_pool(sched, sched.kv_cache_manager.block_pool)
     running, waiting = sched.get_request_counts()
     return {
-        "total_blocks": len(blocks),
-        "allocated_blocks": sum(b.ref_cnt > 0 for b in blocks),
-        "available_blocks": sum(b.ref_cnt == 0 for b in blocks),
-        "cached_blocks": sum(b.ref_cnt == 0 and b.block_hash is not None for b in blocks),
-        "deferred_free_requests": holding,
-        "deferred_free_blocks": len(held),
+        **fields,
         "runtime.requests_deferred_free": len(deferred),
         "runtime.requests_running": running,
         "runtime.requests_waiting": waiting,

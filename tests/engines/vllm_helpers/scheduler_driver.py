@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import write_model
+from common import recount_pool, write_model
 
 BLOCK = 16
 
@@ -175,31 +175,7 @@ def _pools(sched) -> list:
 
 def recount(sched, pool) -> dict:
     """Every published pool field that is a state, recounted from vLLM's own objects."""
-    blocks = [b for b in pool.blocks if not b.is_null]
-    managers = [m for m in sched.kv_cache_manager.coordinator.single_type_managers]
-    managers = [m for m in managers if m.block_pool is pool]
-    held: set[int] = set()
-    holding = 0
-    for r in sched.requests.values():
-        if not r.is_finished():
-            continue
-        ids = {
-            b.block_id
-            for m in managers
-            for b in m.req_to_blocks.get(r.request_id, ())
-            if not b.is_null
-        }
-        if ids:
-            holding += 1
-            held |= ids
-    return {
-        "total_blocks": len(blocks),
-        "allocated_blocks": sum(b.ref_cnt > 0 for b in blocks),
-        "available_blocks": sum(b.ref_cnt == 0 for b in blocks),
-        "cached_blocks": sum(b.ref_cnt == 0 and b.block_hash is not None for b in blocks),
-        "deferred_free_requests": holding,
-        "deferred_free_blocks": len(held),
-    }
+    return recount_pool(sched, pool)[0]
 
 
 class Run:
