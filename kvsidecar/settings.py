@@ -269,6 +269,25 @@ MAX_PAYLOAD_BYTES = _s(
     DAEMON,
     flag="--max-payload-bytes",
 )
+# Admission of new segment names (kvsidecar/daemon/admission.py: the defaults' reasons).
+MAX_NEW_TARGETS = _s(
+    "MAX_NEW_TARGETS",
+    "int",
+    64,
+    "new segment names (new `segment` label values) exported at once; more wait for "
+    '`--new-target-interval` (`kvsidecar_segment_refusals_total{reason="admission"}`)',
+    DAEMON,
+    flag="--max-new-targets",
+)
+NEW_TARGET_INTERVAL = _s(
+    "NEW_TARGET_INTERVAL",
+    "float",
+    3.0,
+    "seconds per further new segment name once `--max-new-targets` are spent; "
+    "a name exported before (a restarted engine) costs none",
+    DAEMON,
+    flag="--new-target-interval",
+)
 LOG_LEVEL = _s(
     "LOG_LEVEL",
     "str",

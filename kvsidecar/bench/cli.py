@@ -467,6 +467,18 @@ def aggregate_cmd(quick: bool, out: str) -> None:
     report.write_json(out, "aggregate", r)
 
 
+@bench.command(name="labels")
+@quick_option
+@out_option
+def labels_cmd(quick: bool, out: str) -> None:
+    """`segment` labels minted by short-lived trusted files in 20 s; a real engine's delay."""
+    from kvsidecar.bench import labels
+
+    r = labels.run(quick=quick)
+    report.print_table("labels: short-lived trusted segments", labels.HEADERS, labels.main_rows(r))
+    report.write_json(out, "labels", r)
+
+
 @bench.command(name="vllm")
 @quick_option
 @out_option

@@ -198,6 +198,25 @@ def _telemetry_path(value: str) -> str:
     envvar=settings.MAX_PAYLOAD_BYTES.name,
     help="A segment whose slot is bigger is refused before any payload is read.",
 )
+@click.option(
+    "--max-new-targets",
+    type=click.IntRange(1),
+    default=settings.MAX_NEW_TARGETS.default,
+    show_default=True,
+    envvar=settings.MAX_NEW_TARGETS.name,
+    help=(
+        "New segment names exported at once (each a new `segment` label); more wait for "
+        "--new-target-interval, live and longest-followed first."
+    ),
+)
+@click.option(
+    "--new-target-interval",
+    type=click.FloatRange(0),
+    default=settings.NEW_TARGET_INTERVAL.default,
+    show_default=True,
+    envvar=settings.NEW_TARGET_INTERVAL.name,
+    help="Seconds per further new segment name; a name exported before costs none.",
+)
 @log_options
 def serve(
     shm_dir: str,
@@ -221,10 +240,13 @@ def serve(
     max_series_per_target: int,
     max_exposition_bytes: int,
     max_payload_bytes: int,
+    max_new_targets: int,
+    new_target_interval: float,
     log_level: str,
     log_format: str,
 ) -> None:
     """Serve every segment's snapshots: Prometheus /metrics, JSON and health endpoints."""
+    from kvsidecar.daemon.admission import Admission
     from kvsidecar.daemon.app import Daemon
     from kvsidecar.daemon.budget import Budget
     from kvsidecar.daemon.endpoints import WebServer
@@ -271,6 +293,7 @@ def serve(
         ),
         max_targets=max_targets,
         confirm_after=rediscover_interval,
+        admission=Admission(max_new_targets, new_target_interval),
     )
     raise_fd_limit()  # every HTTP connection is an fd: 1,000 of them need more than 1,024
     stats = HTTPStats()

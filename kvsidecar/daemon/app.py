@@ -113,6 +113,8 @@ class Daemon:
         if len(views) > _READY_LIST_MAX:
             summary += f", ... ({len(views)} segments)"
         summary = summary or "no segments"
+        if self.targets.waiting:  # their names are in no series yet: say how many
+            summary += f"; {self.targets.waiting} new segment(s) waiting for admission"
         if self.targets.discovery_error:
             # Still 200 (the sidecar's readiness gates the Pod), but never silent.
             summary += f"; discovery failing: {self.targets.discovery_error}"
@@ -155,6 +157,7 @@ class Daemon:
             "refusals": dict(self.targets.refusals_total),
             "discovery_error": self.targets.discovery_error,
             "discovery_errors": dict(self.targets.discovery_errors_total),
+            "waiting": self.targets.waiting,
         }
 
     def _http_stats(self) -> dict[str, Any]:

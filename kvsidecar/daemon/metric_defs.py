@@ -673,8 +673,9 @@ DAEMON: tuple[MetricDef, ...] = (
         "files",
         "Discovered files refused, each counted once per file identity (label reason: "
         "symlink, not_regular, foreign_owner, version = a newer major version, unreadable, "
-        "vanished = gone before it could be read, max_targets = over --max-targets). Each file "
-        "still refused has a kvsidecar_refused_file series.",
+        "vanished = gone before it could be read, max_targets = over --max-targets, admission = "
+        "a new name that had to wait for --max-new-targets, counted once per target). Each "
+        "file still refused has a kvsidecar_refused_file series.",
     ),
     MetricDef(
         "kvsidecar_discovery_up",
@@ -725,6 +726,14 @@ DAEMON: tuple[MetricDef, ...] = (
         "a newer major layout/schema version, unreadable, symlink, not_regular, foreign_owner, "
         "max_targets); `kvsidecar ls` says why. At most --max-targets series, by file name: "
         "kvsidecar_refused_segments has the full count.",
+    ),
+    MetricDef(
+        "kvsidecar_targets_waiting",
+        GAUGE,
+        "",
+        "Segments followed but not exported yet: new names waiting for admission "
+        "(--max-new-targets, then one per --new-target-interval; live and longest-followed "
+        "first). No series carries their names until they are admitted.",
     ),
 )
 

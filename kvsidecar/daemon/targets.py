@@ -27,6 +27,7 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
+from kvsidecar.daemon.admission import Admission
 from kvsidecar.daemon.budget import (
     BoundedSnapshotDecoder,
     Budget,
@@ -68,6 +69,7 @@ REFUSAL_REASONS = (
     "unreadable",  # the reader refused it: permissions, bad name, ...
     "vanished",  # gone before it could be read
     "max_targets",
+    "admission",  # a new name waited for a token (admission.py): counted once per target
 )
 DEFAULT_MAX_TARGETS = 256
 SUMMARY_INTERVAL = 60.0  # seconds between two refusal-summary / discovery-error log lines
@@ -178,6 +180,9 @@ class Target:
         self.cost = 0  # exposition_estimate of the last good snapshot: the aggregate budget
         self.shed = ""  # why the aggregate budget sheds it ("" = served)
         self.ever_up = False  # a target never up since admission is junk at --max-targets
+        # Exported (its name a `segment` label) once admitted: see TargetSet._admit.
+        self.shown = explicit
+        self.waited = False  # counted once as waiting for admission
         self._incarnation = 0
         # Liveness by progress on our own clock: the last (incarnation, heartbeat, seq)
         # seen and when it changed. The writer's clock alone misjudged a writer in another
@@ -414,6 +419,7 @@ class TargetSet:
         confirm_after: float = 0.0,
         summary_interval: float = SUMMARY_INTERVAL,
         recheck_per_scan: int = RECHECK_PER_SCAN,
+        admission: Admission | None = None,
     ) -> None:
         self.shm_dir = shm_dir
         self.prefix = prefix
@@ -428,6 +434,9 @@ class TargetSet:
         # A new target with no good reading stays hidden this long, so a file that
         # vanishes within a scan interval never mints a series.
         self.confirm_after = confirm_after
+        # How fast new names may become labels (None: no limit, as for dump and ls).
+        self.admission = admission
+        self.waiting = 0  # targets followed but not exported: waiting for admission
         self.summary_interval = summary_interval
         self.recheck_per_scan = recheck_per_scan
         self._recheck_queue: list[str] = []
@@ -560,7 +569,8 @@ class TargetSet:
         explicit = set(self.explicit)
         found = explicit | listed.keys()
         for name in sorted(self.targets.keys() - found):
-            self._note(name, logging.INFO, "gone, forgetting it")
+            if self.targets[name].shown:  # a hidden one was never logged as found
+                self._note(name, logging.INFO, "gone, forgetting it")
             self.targets.pop(name).close()
         refused = self._refused
         for name in [n for n in refused if n not in listed]:
@@ -654,12 +664,54 @@ class TargetSet:
                 reason = "version" if view.error_kind == "version_mismatch" else "unreadable"
                 self._refuse(name, reason, ino, key, view.error)
                 return
-        if view.state != NOT_READY:
-            why = view.error.removeprefix(f"segment {name}: ")
-            level = logging.INFO if view.state == UP else logging.WARNING  # corrupt, stale, ...
-            self._note(name, level, "found, %s%s", view.state, _sep(why))
+        if explicit:  # the others are logged once admitted (_admit)
+            self._log_found(target)
         self._refused.pop(name, None)
         self.targets[name] = target
+
+    def _log_found(self, target: Target) -> None:
+        view = target.view
+        if view.state != NOT_READY:
+            why = view.error.removeprefix(f"segment {target.name}: ")
+            level = logging.INFO if view.state == UP else logging.WARNING  # corrupt, stale, ...
+            self._note(target.name, level, "found, %s%s", view.state, _sep(why))
+
+    def _admit(self) -> None:
+        """Export the hidden targets that may mint a `segment` label now.
+
+        A target with no good reading stays hidden `confirm_after` (a file that vanishes
+        within a scan interval mints nothing); then, with an `Admission`, a name never
+        exported before waits for a token, live targets first, then the one followed
+        longest (admission.py). Hidden targets log nothing: each is counted once as
+        `admission` in the refusal summary.
+        """
+        now = time.monotonic()
+        hidden = [
+            t
+            for t in self.targets.values()
+            if not t.shown
+            and (t.view.last is not None or now - t.admitted_mono >= self.confirm_after)
+        ]
+        if self.admission is not None:
+            hidden.sort(key=lambda t: (not t.ever_up, t.admitted_mono))
+            admitted = set(self.admission.admit(t.name for t in hidden))
+        else:
+            admitted = {t.name for t in hidden}
+        for t in hidden:
+            if t.name in admitted:
+                t.shown = True
+                self._log_found(t)
+            elif not t.waited:
+                t.waited = True
+                a = self.admission
+                assert a is not None
+                self._refuse(
+                    t.name,
+                    "admission",
+                    message=f"{self.shm_dir}/{t.name}: waiting: more than --max-new-targets "
+                    f"{a.burst} new segment names, one more admitted per {a.interval:g} s",
+                )
+        self.waiting = len(hidden) - len(admitted)
 
     def _classify(self, st: os.stat_result) -> str | None:
         """What an lstat alone tells (no open): the reader checks again on its descriptor."""
@@ -736,11 +788,12 @@ class TargetSet:
         if t0 - self._last_discovery >= self.rediscover_interval or not self.targets:
             self.discover()
         for name, target in list(self.targets.items()):
-            view = target.poll()
+            view = target.poll(log_transitions=target.shown)
             if not target.explicit and view.error_kind == "not_found" and view.last is None:
                 # Vanished before it could ever be read: forget it now, not at the next scan.
                 self.targets.pop(name).close()
                 self._refuse(name, "vanished")
+        self._admit()
         self._apply_total_budget()
         self.version += 1
         self.polls_total += 1
@@ -751,12 +804,13 @@ class TargetSet:
         """Keep the smallest targets whose exposition fits ``max_exposition_bytes``
         together (always at least one); shed the others, largest first, with a reason."""
         limit = self.budget.max_exposition_bytes
-        # Served, or shed by this budget (they may fit again); not those over their own.
+        # Served, or shed by this budget (they may fit again); not those over their own,
+        # nor hidden ones (they export nothing).
         costed = sorted(
             (
                 t
                 for t in self.targets.values()
-                if t.shed or (t.cost and t.view.error_kind != OVER_BUDGET)
+                if t.shown and (t.shed or (t.cost and t.view.error_kind != OVER_BUDGET))
             ),
             key=lambda t: (t.cost, t.name),
         )
@@ -785,12 +839,8 @@ class TargetSet:
                 self._poll_locked()
 
     def views(self) -> list[TargetView]:
-        now = time.monotonic()
-        return [
-            t.view
-            for t in list(self.targets.values())
-            if t.view.last is not None or t.explicit or now - t.admitted_mono >= self.confirm_after
-        ]
+        """The exported targets: explicit ones, and the others once admitted (_admit)."""
+        return [t.view for t in list(self.targets.values()) if t.shown]
 
     # -- background thread ------------------------------------------------------
 
