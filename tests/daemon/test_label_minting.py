@@ -9,18 +9,17 @@ from __future__ import annotations
 
 import contextlib
 import os
-import signal
-import subprocess
 import time
 from collections.abc import Iterator
 
 from kvsidecar import settings
+from kvsidecar.bench import hostile_writers as hw
 from kvsidecar.bench.labels import start_churn
 from kvsidecar.daemon.admission import Admission
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.daemon.scrape import fetch, samples, value
-from tests.procs import start_daemon, start_writer, wait_for
+from tests.procs import start_writer, wait_for
 from tests.protocol_helpers import sample_snapshot
 
 ENGINE = "kvsidecar.vllm.dp0.tp0.pp0"
@@ -29,16 +28,8 @@ REDISCOVER = 0.2
 
 @contextlib.contextmanager
 def serving(shm_dir: str, *args: str) -> Iterator[str]:
-    daemon, url = start_daemon(shm_dir, "--poll-interval", "0.05", *args)
-    try:
+    with hw._daemon(shm_dir, "--poll-interval", "0.05", *args) as (_, url):
         yield url
-    finally:
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(10)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
-            daemon.wait()
 
 
 def _segments(text: str) -> set[str]:
