@@ -4,8 +4,9 @@ A churner of the daemon's own uid (a crash-looping script, a buggy engine) creat
 segments under fresh names, each published once and unlinked 1.5-3 rediscover intervals
 later, about 91 a second as in the audit; a real engine (a writer publishing at 100 Hz)
 starts a quarter of the way in. The real ``kvsidecar serve`` is scraped back to back;
-reported: the distinct `segment` label values seen, and how long the engine took to be
-served (`kvsidecar_source_up 1` under its name) from its first publish.
+reported: the distinct `segment` label values seen, how long the engine took to be
+served (`kvsidecar_source_up 1` under its name) from its first publish, and the daemon's
+log lines (at info) naming a churned file.
 
 Only default flags, so ``PYTHONPATH=<old checkout>`` measures the old daemon the same way.
 """
@@ -13,6 +14,7 @@ Only default flags, so ``PYTHONPATH=<old checkout>`` measures the old daemon the
 from __future__ import annotations
 
 import contextlib
+import os
 import re
 import shutil
 import subprocess
@@ -79,9 +81,10 @@ def run(quick: bool = False) -> dict[str, Any]:
     seconds = 5.0 if quick else 20.0
     interval = settings.REDISCOVER_INTERVAL.default
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-labels-", dir="/dev/shm")
+    log = shm_dir + ".log"
     pids: list[int] = []
     try:
-        with hw._daemon(shm_dir) as (_, url):
+        with hw._daemon(shm_dir, log=log) as (_, url):
             churn = start_churn(shm_dir, seconds, 1 / 91, (1.5 * interval, 3 * interval))
             t0 = time.monotonic()
             seen: set[str] = set()
@@ -107,15 +110,21 @@ def run(quick: bool = False) -> dict[str, Any]:
             "distinct_segment_labels": len(seen - {ENGINE}),
             "engine_served": served is not None,
             "engine_admission_s": round(served - started, 2) if served and started else None,
+            "log_lines": hw._log_lines(log, "kvsidecar.churn"),
         }
     finally:
         hw._kill(pids)
         shutil.rmtree(shm_dir, ignore_errors=True)
+        with contextlib.suppress(OSError):
+            os.unlink(log)
 
 
 def main_rows(r: dict[str, Any]) -> list[list[Any]]:
-    return [[r["seconds"], r["files_churned"], r["distinct_segment_labels"],
-             r["engine_admission_s"] if r["engine_served"] else "never"]]  # fmt: skip
+    served = r["engine_admission_s"] if r["engine_served"] else "never"
+    return [
+        [r["seconds"], r["files_churned"], r["distinct_segment_labels"], served, r["log_lines"]]
+    ]
 
 
 HEADERS = ["seconds", "files churned", "distinct segment labels (churn)", "engine served after s"]
+HEADERS += ["log lines naming them"]
