@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import collections
 import time
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 
 from kvsidecar import settings
 
@@ -40,7 +40,7 @@ class Admission:
         interval: float = DEFAULT_INTERVAL,
         *,
         names: int = KNOWN_NAMES,
-        clock=time.monotonic,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.burst, self.interval, self.names = burst, interval, names
         self._clock = clock
@@ -69,6 +69,12 @@ class Admission:
             self.remember(name)
             admitted.append(name)
         return admitted
+
+    def why_waiting(self) -> str:
+        return (
+            f"waiting: more than --max-new-targets {self.burst} new segment names, "
+            f"one more admitted per {self.interval:g} s (--new-target-interval)"
+        )
 
     def remember(self, name: str) -> None:
         """Mark a name as exported (a re-found one moves to the back of the line)."""

@@ -701,16 +701,10 @@ class TargetSet:
             if t.name in admitted:
                 t.shown = True
                 self._log_found(t)
-            elif not t.waited:
+            elif not t.waited and self.admission is not None:
                 t.waited = True
-                a = self.admission
-                assert a is not None
-                self._refuse(
-                    t.name,
-                    "admission",
-                    message=f"{self.shm_dir}/{t.name}: waiting: more than --max-new-targets "
-                    f"{a.burst} new segment names, one more admitted per {a.interval:g} s",
-                )
+                why = f"{self.shm_dir}/{t.name}: {self.admission.why_waiting()}"
+                self._refuse(t.name, "admission", message=why)
         self.waiting = len(hidden) - len(admitted)
 
     def _classify(self, st: os.stat_result) -> str | None:

@@ -169,6 +169,22 @@ def test_live_and_longest_followed_targets_go_first(shm_dir: str) -> None:
         w.close()
 
 
+def test_refill_and_the_bounded_memory_of_known_names() -> None:
+    clock = Clock()
+    a = Admission(2, 5, names=3, clock=clock)
+    assert a.admit(["a", "b", "c"]) == ["a", "b"]  # the burst
+    assert a.admit(["c"]) == []
+    clock.now += 4.9
+    assert a.admit(["c"]) == []  # not a whole token yet
+    clock.now += 0.1
+    assert a.admit(["c", "d"]) == ["c"]
+    clock.now += 3600  # idle: the bucket holds the burst, not an hour of tokens
+    assert a.admit(["d", "e", "f"]) == ["d", "e"]
+    # 3 names remembered: a, b and c were pushed out, so a returning costs a token again.
+    assert not a.known("a") and a.known("e")
+    assert a.admit(["a", "e"]) == ["e"]
+
+
 def test_burst_serves_a_whole_node_at_once(shm_dir: str) -> None:
     """The default burst: 64 ranks starting together are all exported on the first poll."""
     writers = [_publish(shm_dir, f"kvsidecar.node.dp{i}.tp0.pp0") for i in range(64)]
