@@ -37,6 +37,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvsidecar.web.accept import Acceptor
 from kvsidecar.web.basic_auth import AuthGate, BasicAuth
 from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
@@ -53,7 +54,7 @@ from kvsidecar.web.request import (
     parse_head,
     response_head,
 )
-from kvsidecar.web.sockets import BACKLOG, bind, format_address
+from kvsidecar.web.sockets import bind, format_address, open_fds
 from kvsidecar.web.stats import HTTPStats
 from kvsidecar.web.tls_context import peer_san_allowed
 from kvsidecar.web.tls_stream import TLSReader, TLSWriter, client_random, handshake
@@ -68,7 +69,10 @@ READY_PATH = "/-/ready"
 PROBE_PATHS = (HEALTHY_PATH, READY_PATH)
 OTHER = "other"  # handler label for unknown paths and unparseable requests
 _PLAIN = "text/plain; charset=utf-8"
-FD_RESERVE = 128  # fds kept free of connections: segments, logs, listeners
+# Descriptors kept free of connections besides those open at start and the caller's
+# ``reserved_fds`` (a segment each target may hold): log files, directory scans, a
+# segment being attached, the loop's own, the spare descriptor of `accept`.
+FD_RESERVE = 64
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
@@ -172,9 +176,11 @@ class _Front:
         # Connections whose answer waits for the client to read it, oldest first: closed
         # before any of those, since they already took their answer (slow readers).
         self.stalled: OrderedDict[_Conn, None] = OrderedDict()
-        self.servers: list[asyncio.base_events.Server] = []
+        self.acceptors: list[Acceptor] = []
+        self.connecting: set[asyncio.Task] = set()  # strong references until set up
         self.log_bad = Throttled(logging.INFO)
         self.log_loop = Throttled(logging.WARNING)
+        self.log_limit = Throttled(logging.WARNING)
 
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -193,6 +199,24 @@ class _Front:
         self.by_host.setdefault(conn.host, {})[conn] = None
         self.waiting[conn] = None
         return True
+
+    def _make_room(self, host: str) -> bool:
+        """At the open-file limit (below the connection cap: something else holds
+        descriptors): close a connection for a newcomer from ``host``, as at the cap."""
+        victim = self._victim(host) if self.by_host else None
+        if victim is not None:
+            self._drop(victim)
+        return victim is not None
+
+    def _at_fd_limit(self) -> None:
+        self.web.stats.connection_rejected()
+        self.log_limit(
+            "http: the open-file limit is reached with %d connections open (cap %d): "
+            "closing idle ones to accept; raise the limit (LimitNOFILE=, ulimit -n) or "
+            "lower --max-targets",
+            len(self.open),
+            self.max_connections,
+        )
 
     def _victim(self, host: str) -> _Conn | None:
         """Who makes room for a newcomer from ``host``. An address holding more than the
@@ -240,6 +264,20 @@ class _Front:
             self.waiting.pop(conn, None)
 
     # -- one connection --
+
+    def _accepted(self, sock: socket.socket) -> None:
+        # What asyncio.start_server does per connection, minus its accept loop.
+        reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=self.loop)
+        protocol = asyncio.StreamReaderProtocol(reader, self.client, loop=self.loop)
+        task = self.loop.create_task(self._connect(sock, protocol))
+        self.connecting.add(task)
+        task.add_done_callback(self.connecting.discard)
+
+    async def _connect(self, sock: socket.socket, protocol: asyncio.Protocol) -> None:
+        try:
+            await self.loop.connect_accepted_socket(lambda: protocol, sock)
+        except OSError:
+            sock.close()  # reset before it was set up: the client is gone
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("?", 0)
@@ -509,12 +547,9 @@ class _Front:
         asyncio.set_event_loop(self.loop)
         try:
             for sock in sockets:
-                server = self.loop.run_until_complete(
-                    asyncio.start_server(
-                        self.client, sock=sock, limit=MAX_HEAD_BYTES, backlog=BACKLOG
-                    )
+                self.acceptors.append(
+                    Acceptor(self.loop, sock, self._accepted, self._make_room, self._at_fd_limit)
                 )
-                self.servers.append(server)
         finally:
             started.set()
         self.loop.run_forever()
@@ -530,8 +565,8 @@ class _Front:
 
     def stop(self) -> None:
         def _stop() -> None:
-            for server in self.servers:
-                server.close()
+            for acceptor in self.acceptors:
+                acceptor.close()
             self.loop.stop()
 
         self.loop.call_soon_threadsafe(_stop)
@@ -551,7 +586,9 @@ class WebServer:
     at the cap the connection that has waited longest for its request is closed to make
     room, so clients that never finish a request cannot lock out those that do.
     ``request_timeout_s`` bounds a TLS handshake, a whole request head (and the idle time
-    before it) and the writing of an answer.
+    before it) and the writing of an answer. ``reserved_fds`` are descriptors the rest of
+    the process may open later (the daemon's segments): the cap leaves room for them,
+    for those open at start and `FD_RESERVE`, under the open-file limit.
     """
 
     def __init__(
@@ -567,6 +604,7 @@ class WebServer:
         stats: HTTPStats | None = None,
         realm: str = "kvsidecar",
         config_check_interval_s: float = 1.0,
+        reserved_fds: int = 0,
     ) -> None:
         if not listen_addresses:
             raise ValueError("at least one listen address is required")
@@ -584,6 +622,7 @@ class WebServer:
         self.max_requests = max_requests
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
+        self.reserved_fds = reserved_fds
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
         self._live = LiveConfig(web_config, config_check_interval_s)
@@ -622,14 +661,7 @@ class WebServer:
                 sock.close()
             self._sockets.clear()
             raise
-        cap = self.max_connections
-        # Leave fds for segments, logs and the listeners; past the limit accept fails.
-        fd_room = max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE)
-        if cap == 0 or cap > fd_room:
-            if cap:
-                log.warning("max connections %d lowered to %d by the open-file limit", cap, fd_room)
-            cap = fd_room
-        self._front = _Front(self, cap)
+        self._front = _Front(self, self._connection_cap())
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._front.run,
@@ -642,6 +674,25 @@ class WebServer:
         scheme = "https" if self.tls else "http"
         for address in self.addresses:
             log.info("listening on %s://%s", scheme, address)
+
+    def _connection_cap(self) -> int:
+        """max_connections, lowered to what the open-file limit leaves once the
+        descriptors open now, ``reserved_fds`` and `FD_RESERVE` are set aside: past the
+        limit a segment cannot be opened (a new engine is not served) and accept fails."""
+        cap = self.max_connections
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return cap
+        fd_room = max(16, soft - open_fds() - self.reserved_fds - FD_RESERVE)
+        if cap == 0 or cap > fd_room:
+            if cap:
+                log.warning(
+                    "max connections %d lowered to %d by the open-file limit %d "
+                    "(%d descriptors kept for segments and %d for the rest)",
+                    cap, fd_room, soft, self.reserved_fds, FD_RESERVE,
+                )  # fmt: skip
+            cap = fd_room
+        return cap
 
     def shutdown(self) -> None:
         """Stop accepting, close the listeners and every connection."""
