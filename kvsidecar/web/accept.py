@@ -20,6 +20,10 @@ from collections.abc import Callable
 __all__ = ["Acceptor"]
 
 ACCEPT_BATCH = 64  # connections accepted per wake-up: the loop's other work takes turns
+# At the connection cap each newcomer closes a victim, whose descriptor is released on
+# the next iteration: a few at a time keeps the overshoot of the cap (in descriptors)
+# that small, so connections never eat into what is kept for segments.
+AT_CAP_BATCH = 4
 RETRY_S = 0.05  # at the limit with nothing to close: wait this long, not asyncio's 1 s
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
 
@@ -33,9 +37,11 @@ def _take_spare() -> int:
 
 class Acceptor:
     """Accepts on ``sock`` from ``loop``; ``serve`` gets each accepted socket (non-blocking)
-    and its address; at the open-file limit ``make_room(host)`` closes a connection to
-    make room for a newcomer from ``host`` ("" when unknown) and says whether it did;
-    ``at_limit`` is told each time the limit was met."""
+    and its address; ``room()`` says how many more connections fit under the cap now
+    (at or below 0, `AT_CAP_BATCH` are accepted per wake-up, each to replace a victim);
+    at the open-file limit ``make_room(host)`` closes a connection to make room for a
+    newcomer from ``host`` ("" when unknown) and says whether it did; ``at_limit`` is
+    told each time the limit was met."""
 
     def __init__(
         self,
@@ -43,17 +49,18 @@ class Acceptor:
         sock: socket.socket,
         serve: Callable[[socket.socket], None],
         make_room: Callable[[str], bool],
+        room: Callable[[], int] = lambda: ACCEPT_BATCH,
         at_limit: Callable[[], None] = lambda: None,
     ) -> None:
         self.loop, self.sock = loop, sock
-        self.serve, self.make_room, self.at_limit = serve, make_room, at_limit
+        self.serve, self.make_room, self.room, self.at_limit = serve, make_room, room, at_limit
         self.spare = _take_spare()
         self.closed = False
         sock.setblocking(False)
         loop.add_reader(sock.fileno(), self._readable)
 
     def _readable(self) -> None:
-        for _ in range(ACCEPT_BATCH):
+        for _ in range(min(ACCEPT_BATCH, max(AT_CAP_BATCH, self.room()))):
             try:
                 conn, _ = self.sock.accept()
             except (BlockingIOError, InterruptedError):

@@ -178,6 +178,7 @@ class _Front:
         self.stalled: OrderedDict[_Conn, None] = OrderedDict()
         self.acceptors: list[Acceptor] = []
         self.connecting: set[asyncio.Task] = set()  # strong references until set up
+        self.unadmitted = 0  # accepted, not yet through _admit
         self.log_bad = Throttled(logging.INFO)
         self.log_loop = Throttled(logging.WARNING)
         self.log_limit = Throttled(logging.WARNING)
@@ -199,6 +200,13 @@ class _Front:
         self.by_host.setdefault(conn.host, {})[conn] = None
         self.waiting[conn] = None
         return True
+
+    def _room(self) -> int:
+        """Connections that fit under the cap, counting those accepted and not yet
+        admitted (each holds a descriptor already)."""
+        if not self.max_connections:
+            return 1 << 30
+        return self.max_connections - len(self.open) - self.unadmitted
 
     def _make_room(self, host: str) -> bool:
         """At the open-file limit (below the connection cap: something else holds
@@ -268,7 +276,8 @@ class _Front:
     def _accepted(self, sock: socket.socket) -> None:
         # What asyncio.start_server does per connection, minus its accept loop.
         reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=self.loop)
-        protocol = asyncio.StreamReaderProtocol(reader, self.client, loop=self.loop)
+        protocol = asyncio.StreamReaderProtocol(reader, self._client, loop=self.loop)
+        self.unadmitted += 1
         task = self.loop.create_task(self._connect(sock, protocol))
         self.connecting.add(task)
         task.add_done_callback(self.connecting.discard)
@@ -277,7 +286,12 @@ class _Front:
         try:
             await self.loop.connect_accepted_socket(lambda: protocol, sock)
         except OSError:
+            self.unadmitted -= 1
             sock.close()  # reset before it was set up: the client is gone
+
+    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.unadmitted -= 1
+        await self.client(reader, writer)
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("?", 0)
@@ -547,9 +561,8 @@ class _Front:
         asyncio.set_event_loop(self.loop)
         try:
             for sock in sockets:
-                self.acceptors.append(
-                    Acceptor(self.loop, sock, self._accepted, self._make_room, self._at_fd_limit)
-                )
+                front = (self._accepted, self._make_room, self._room, self._at_fd_limit)
+                self.acceptors.append(Acceptor(self.loop, sock, *front))
         finally:
             started.set()
         self.loop.run_forever()
