@@ -49,7 +49,7 @@ class IdleClients:
     what ``opening`` sends), from one selector thread; closed ones are reopened."""
 
     def __init__(
-        self, port: int, n: int, opening: Callable[[socket.socket], None] | None = None
+        self, port: int, n: int, opening: Callable[[socket.socket], socket.socket] | None = None
     ) -> None:
         self.port, self.n, self.opening = port, n, opening
         self.open = 0
@@ -74,7 +74,7 @@ class IdleClients:
             if self.opening is not None:
                 s.settimeout(30)
                 s.connect(("127.0.0.1", self.port))
-                self.opening(s)
+                s = self.opening(s)
             s.setblocking(False)
             if self.opening is None:
                 s.connect_ex(("127.0.0.1", self.port))
@@ -252,21 +252,44 @@ def run_fdlimit(*, quick: bool = False, probes: int = 4) -> dict[str, Any]:
 # -- idle TLS connections --
 
 
-def _handshaken(ctx: ssl.SSLContext) -> Callable[[socket.socket], None]:
-    def opening(s: socket.socket) -> None:
+# Most of a request head (under its 16 KB limit), never finished.
+_HALF_HEAD = b"GET /metrics HTTP/1.1\r\nX-A: " + b"a" * 8000 + b"\r\nX-B: " + b"b" * 7000
+
+
+def _handshaken(ctx: ssl.SSLContext, mode: str) -> Callable[[socket.socket], socket.socket]:
+    def opening(s: socket.socket) -> socket.socket:
         tls = ctx.wrap_socket(s, server_hostname="localhost", do_handshake_on_connect=True)
-        tls.detach()  # keep the TCP socket (and the server's TLS state) open, idle
+        if mode == "half-head":
+            tls.sendall(_HALF_HEAD)
+        if mode == "scraped":  # one scrape, then idle on the kept-alive connection
+            tls.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
+            head = tls.recv(65536)
+            length = int(head.split(b"Content-Length: ", 1)[1].split(b"\r\n", 1)[0])
+            got = len(head.split(b"\r\n\r\n", 1)[1])
+            while got < length:
+                got += len(tls.recv(65536))
+        # Keep the TCP connection (and the server's TLS state) open, idle.
+        return socket.socket(fileno=tls.detach())
 
     return opening
 
 
-def _mid_handshake(ctx: ssl.SSLContext) -> Callable[[socket.socket], None]:
-    def opening(s: socket.socket) -> None:
+def _send(data: bytes) -> Callable[[socket.socket], socket.socket]:
+    def opening(s: socket.socket) -> socket.socket:
+        s.sendall(data)
+        return s
+
+    return opening
+
+
+def _mid_handshake(ctx: ssl.SSLContext) -> Callable[[socket.socket], socket.socket]:
+    def opening(s: socket.socket) -> socket.socket:
         incoming, outgoing = ssl.MemoryBIO(), ssl.MemoryBIO()
         obj = ctx.wrap_bio(incoming, outgoing, server_hostname="localhost")
         with contextlib.suppress(ssl.SSLWantReadError):
             obj.do_handshake()
         s.sendall(outgoing.read())  # a fresh ClientHello; the server's flight is never read
+        return s
 
     return opening
 
@@ -303,21 +326,28 @@ def run_tlsidle(
     _raise_nofile(max(counts) + 256)
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp:
-        crt, key = rsa_self_signed(tmp) if cert == "rsa4096" else _self_signed(tmp)
-        web = web_config_for(tmp, crt, key)
-        ctx = ssl.create_default_context(cafile=crt)
-        opening = _handshaken(ctx) if mode == "handshaken" else _mid_handshake(ctx)
+        ctx: ssl.SSLContext | None = None
+        opening: Callable[[socket.socket], socket.socket] | None = None
+        args: tuple[str, ...] = ()
+        if cert == "none" and mode == "half-head":
+            opening = _send(_HALF_HEAD)
+        elif cert != "none":  # "none": plain HTTP connections
+            crt, key = rsa_self_signed(tmp) if cert == "rsa4096" else _self_signed(tmp)
+            args = ("--web.config.file", web_config_for(tmp, crt, key))
+            ctx = ssl.create_default_context(cafile=crt)
+            opening = (
+                _mid_handshake(ctx) if mode == "mid" else _handshaken(ctx, mode)
+            )
         for n in counts:
             shm_dir = tempfile.mkdtemp(prefix="kvsidecar-tlsidle-", dir="/dev/shm")
             try:
-                daemon, _ = start_daemon(
-                    shm_dir, "--web.config.file", web, wait_for_source=False, context=ctx
-                )
-                port = int(_.rsplit(":", 1)[1])
+                daemon, url = start_daemon(shm_dir, *args, wait_for_source=False, context=ctx)
+                port = int(url.rsplit(":", 1)[1])
                 try:
-                    base = proc_stat(daemon.pid)[0]
+                    base, base_socks = proc_stat(daemon.pid)[0], _tcp_established(daemon.pid)
                     attack = IdleClients(port, n, opening).start()
                     rss, kept = _rss_after(daemon.pid, attack, n, settle=1.0)
+                    kept -= base_socks
                     reopened = attack.reopened
                     attack.stop()
                 finally:

@@ -73,6 +73,16 @@ _PLAIN = "text/plain; charset=utf-8"
 # ``reserved_fds`` (a segment each target may hold): log files, directory scans, a
 # segment being attached, the loop's own, the spare descriptor of `accept`.
 FD_RESERVE = 64
+# What one open connection can keep allocated, an upper bound of `kvsidecar bench
+# tlsidle` (RSS growth per connection, 1,000 connections): plain 21.6 KB with a request
+# head nearly at its 16 KB limit, 6.6 KB idle; TLS (RSA-4096) 47 KB with such a head,
+# 31 KB idle after a scrape, 27 KB idle after the handshake, 20 KB mid-handshake.
+PLAIN_CONNECTION_BYTES = 24 << 10
+TLS_CONNECTION_BYTES = 64 << 10
+# What open connections may cost together: with the daemon's own worst case under its
+# default budgets (~45 MB RSS with maximal targets, docs/reliability.md) the Kubernetes
+# sidecar's 64Mi limit keeps > 10 MB of headroom. Caps 512 plain, 192 TLS connections.
+CONNECTION_MEMORY = 12 << 20
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
@@ -190,7 +200,8 @@ class _Front:
     # -- admission --
 
     def _admit(self, conn: _Conn) -> bool:
-        if self.max_connections and len(self.open) >= self.max_connections:
+        cap = self.cap()
+        if cap and len(self.open) >= cap:
             self.web.stats.connection_rejected()
             victim = self._victim(conn.host)
             if victim is None:
@@ -204,9 +215,19 @@ class _Front:
     def _room(self) -> int:
         """Connections that fit under the cap, counting those accepted and not yet
         admitted (each holds a descriptor already)."""
-        if not self.max_connections:
+        cap = self.cap()
+        if not cap:
             return 1 << 30
-        return self.max_connections - len(self.open) - self.unadmitted
+        return cap - len(self.open) - self.unadmitted
+
+    def cap(self) -> int:
+        """The connection cap now (0 = none): the descriptors' (``max_connections``) and
+        the memory budget's, which depends on whether TLS is on (a reload can turn it on)."""
+        tls = self.web._live.current().ssl_context is not None
+        per = TLS_CONNECTION_BYTES if tls else PLAIN_CONNECTION_BYTES
+        by_memory = max(1, self.web.connection_memory // per) if self.web.connection_memory else 0
+        caps = [c for c in (self.max_connections, by_memory) if c]
+        return min(caps) if caps else 0
 
     def _make_room(self, host: str) -> bool:
         """At the open-file limit (below the connection cap: something else holds
@@ -223,7 +244,7 @@ class _Front:
             "closing idle ones to accept; raise the limit (LimitNOFILE=, ulimit -n) or "
             "lower --max-targets",
             len(self.open),
-            self.max_connections,
+            self.cap(),
         )
 
     def _victim(self, host: str) -> _Conn | None:
@@ -598,6 +619,9 @@ class WebServer:
     their turn. ``max_connections`` caps open connections;
     at the cap the connection that has waited longest for its request is closed to make
     room, so clients that never finish a request cannot lock out those that do.
+    ``connection_memory`` bounds what open connections may cost together (0 = no bound):
+    it caps them at ``connection_memory // TLS_CONNECTION_BYTES`` with TLS on, and
+    `PLAIN_CONNECTION_BYTES` each without.
     ``request_timeout_s`` bounds a TLS handshake, a whole request head (and the idle time
     before it) and the writing of an answer. ``reserved_fds`` are descriptors the rest of
     the process may open later (the daemon's segments): the cap leaves room for them,
@@ -618,6 +642,7 @@ class WebServer:
         realm: str = "kvsidecar",
         config_check_interval_s: float = 1.0,
         reserved_fds: int = 0,
+        connection_memory: int = CONNECTION_MEMORY,
     ) -> None:
         if not listen_addresses:
             raise ValueError("at least one listen address is required")
@@ -628,14 +653,17 @@ class WebServer:
                     f"invalid route path {path!r}: it must start with / and not be "
                     f"{' or '.join(PROBE_PATHS)} (the server answers those itself)"
                 )
-        if max_requests < 0 or max_connections < 0:
-            raise ValueError("max_requests and max_connections must be >= 0 (0 = unlimited)")
+        if max_requests < 0 or max_connections < 0 or connection_memory < 0:
+            raise ValueError(
+                "max_requests, max_connections and connection_memory must be >= 0 (0 = unlimited)"
+            )
         self.routes = dict(routes)
         self.ready = ready
         self.max_requests = max_requests
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
         self.reserved_fds = reserved_fds
+        self.connection_memory = connection_memory
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
         self._live = LiveConfig(web_config, config_check_interval_s)
