@@ -335,9 +335,7 @@ def run_tlsidle(
             crt, key = rsa_self_signed(tmp) if cert == "rsa4096" else _self_signed(tmp)
             args = ("--web.config.file", web_config_for(tmp, crt, key))
             ctx = ssl.create_default_context(cafile=crt)
-            opening = (
-                _mid_handshake(ctx) if mode == "mid" else _handshaken(ctx, mode)
-            )
+            opening = _mid_handshake(ctx) if mode == "mid" else _handshaken(ctx, mode)
         for n in counts:
             shm_dir = tempfile.mkdtemp(prefix="kvsidecar-tlsidle-", dir="/dev/shm")
             try:
