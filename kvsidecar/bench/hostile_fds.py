@@ -345,7 +345,7 @@ def run_tlsidle(
                     base, base_socks = proc_stat(daemon.pid)[0], _tcp_established(daemon.pid)
                     attack = IdleClients(port, n, opening).start()
                     rss, kept = _rss_after(daemon.pid, attack, n, settle=1.0)
-                    kept -= base_socks
+                    kept = max(0, kept - base_socks)
                     reopened = attack.reopened
                     attack.stop()
                 finally:

@@ -111,6 +111,10 @@ class _Conn:
     host: str  # the address alone: the auth queue's fairness key
     task: asyncio.Task | None = None
     failed: bool = False  # sent wrong credentials: its next checks queue last
+    # Completed a ClientHello or a request head: while idle, closed at the cap only after
+    # those that never did (tricklers), so reconnecting tricklers from a probe's own
+    # address cannot close the probe mid-handshake whatever the cap.
+    progressed: bool = False
 
 
 async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes]) -> bool:
@@ -183,6 +187,7 @@ class _Front:
         # Connections waiting for a request head (or a handshake), oldest first: the ones
         # closed to make room when the cap is reached. Busy ones are never evicted.
         self.waiting: OrderedDict[_Conn, None] = OrderedDict()
+        self.fresh: OrderedDict[_Conn, None] = OrderedDict()  # those that never progressed
         # Connections whose answer waits for the client to read it, oldest first: closed
         # before any of those, since they already took their answer (slow readers).
         self.stalled: OrderedDict[_Conn, None] = OrderedDict()
@@ -209,7 +214,7 @@ class _Front:
             self._drop(victim)
         self.open.add(conn)
         self.by_host.setdefault(conn.host, {})[conn] = None
-        self.waiting[conn] = None
+        self.fresh[conn] = None
         return True
 
     def _room(self) -> int:
@@ -259,11 +264,11 @@ class _Front:
             return self._oldest_of(heaviest) or next(iter(self.by_host[heaviest]))
         if mine:
             return self._oldest_of(host)  # None: refused, lighter addresses keep theirs
-        idle = self.stalled or self.waiting
+        idle = self.stalled or self.fresh or self.waiting
         return next(iter(idle)) if idle else None
 
     def _oldest_of(self, host: str) -> _Conn | None:
-        for tier in (self.stalled, self.waiting):
+        for tier in (self.stalled, self.fresh, self.waiting):
             for c in tier:  # oldest first; only at the cap, so the scan is rare
                 if c.host == host:
                     return c
@@ -272,6 +277,7 @@ class _Front:
     def _forget(self, conn: _Conn) -> None:
         self.open.discard(conn)
         self.waiting.pop(conn, None)
+        self.fresh.pop(conn, None)
         self.stalled.pop(conn, None)
         conns = self.by_host.get(conn.host)
         if conns is not None:
@@ -286,11 +292,12 @@ class _Front:
             conn.task.cancel()
 
     def _set_waiting(self, conn: _Conn, waiting: bool) -> None:
+        tier = self.waiting if conn.progressed else self.fresh
         if waiting:
-            self.waiting[conn] = None  # to the young end: it just did something useful
-            self.waiting.move_to_end(conn)
+            tier[conn] = None  # to the young end: it just did something useful
+            tier.move_to_end(conn)
         else:
-            self.waiting.pop(conn, None)
+            tier.pop(conn, None)
 
     # -- one connection --
 
@@ -374,8 +381,18 @@ class _Front:
 
     async def _handshake_step(self, conn: _Conn, fn: Callable[[], None]) -> None:
         # The CPU off the loop, in turns fair per address, at most a few per address.
-        async with self.handshakes.turn(conn.host):
-            await self.loop.run_in_executor(self.tls_pool, fn)
+        # Meanwhile the connection is not evictable: below the TLS cap's few hundred, a
+        # flood of reconnecting tricklers could otherwise close each probe mid-handshake
+        # (the gate bounds how many are protected; a client silent between steps is not).
+        conn.progressed = True  # a whole ClientHello (or the next flight)
+        self._set_waiting(conn, False)
+        self.fresh.pop(conn, None)
+        try:
+            async with self.handshakes.turn(conn.host):
+                await self.loop.run_in_executor(self.tls_pool, fn)
+        finally:
+            if conn in self.open:
+                self._set_waiting(conn, True)
 
     def _fresh_hello(self, record: bytes) -> bool:
         """False for a ClientHello whose random was seen recently: a canned hello replayed
@@ -409,6 +426,8 @@ class _Front:
         except BadRequest as e:
             await self._error(conn, e)
             return False
+        self.fresh.pop(conn, None)
+        conn.progressed = True
         self._set_waiting(conn, False)
         t0 = time.monotonic()
         status, route = await self._answer(conn, request)
