@@ -302,24 +302,32 @@ class _Front:
     # -- one connection --
 
     def _accepted(self, sock: socket.socket) -> None:
-        # What asyncio.start_server does per connection, minus its accept loop.
-        reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=self.loop)
-        protocol = asyncio.StreamReaderProtocol(reader, self._client, loop=self.loop)
+        # What asyncio.start_server does per connection, minus its accept loop. Until
+        # _admit the connection counts in `unadmitted` (it holds a descriptor already).
         self.unadmitted += 1
-        task = self.loop.create_task(self._connect(sock, protocol))
+        pending = [True]
+
+        def admitting() -> None:
+            if pending:
+                pending.clear()
+                self.unadmitted -= 1
+
+        async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            admitting()
+            await self.client(reader, writer)
+
+        async def connect() -> None:
+            try:
+                await self.loop.connect_accepted_socket(lambda: protocol, sock)
+            except OSError:
+                sock.close()  # reset before it was set up: the client is gone
+                admitting()  # a no-op if it got as far as client()
+
+        reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=self.loop)
+        protocol = asyncio.StreamReaderProtocol(reader, client, loop=self.loop)
+        task = self.loop.create_task(connect())
         self.connecting.add(task)
         task.add_done_callback(self.connecting.discard)
-
-    async def _connect(self, sock: socket.socket, protocol: asyncio.Protocol) -> None:
-        try:
-            await self.loop.connect_accepted_socket(lambda: protocol, sock)
-        except OSError:
-            self.unadmitted -= 1
-            sock.close()  # reset before it was set up: the client is gone
-
-    async def _client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        self.unadmitted -= 1
-        await self.client(reader, writer)
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("?", 0)
