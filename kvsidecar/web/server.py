@@ -19,6 +19,11 @@ replayed ClientHello closed before any crypto), and so do requests above
 ``max_requests`` (`fair`): 40 keep-alive scrapers cannot lock out a 41st. Malformed
 requests get 400/414/431/505 and one throttled log line (`request`); bcrypt checks are
 bounded and fair, and skipped for clients that left (`basic_auth`).
+
+Budgets: the connection cap fits a memory budget (`CONNECTION_MEMORY`, each connection
+counted at what it can keep) and leaves the open-file limit room for the daemon's
+segments (``reserved_fds``); at the limit anyway, `accept` spends a spare descriptor
+to close an idle connection rather than stall.
 """
 
 from __future__ import annotations
