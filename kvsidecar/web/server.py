@@ -79,14 +79,15 @@ _PLAIN = "text/plain; charset=utf-8"
 # segment being attached, the loop's own, the spare descriptor of `accept`.
 FD_RESERVE = 64
 # What one open connection can keep allocated, an upper bound of `kvsidecar bench
-# tlsidle` (RSS growth per connection, 1,000 connections): plain 21.6 KB with a request
-# head nearly at its 16 KB limit, 6.6 KB idle; TLS (RSA-4096) 47 KB with such a head,
-# 31 KB idle after a scrape, 27 KB idle after the handshake, 20 KB mid-handshake.
-PLAIN_CONNECTION_BYTES = 24 << 10
+# tlsidle` (RSS growth per connection kept, 1,000 connections opened, those closed at
+# the cap and replaced included): plain 29 KB with a request head nearly at its 16 KB
+# limit, 6.6 KB idle; TLS (RSA-4096) 55 KB with such a head, 40 KB idle after a scrape,
+# 33 KB idle after the handshake, 27 KB mid-handshake.
+PLAIN_CONNECTION_BYTES = 32 << 10
 TLS_CONNECTION_BYTES = 64 << 10
 # What open connections may cost together: with the daemon's own worst case under its
 # default budgets (~45 MB RSS with maximal targets, docs/reliability.md) the Kubernetes
-# sidecar's 64Mi limit keeps > 10 MB of headroom. Caps 512 plain, 192 TLS connections.
+# sidecar's 64Mi limit keeps > 10 MB of headroom. Caps 384 plain, 192 TLS connections.
 CONNECTION_MEMORY = 12 << 20
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
