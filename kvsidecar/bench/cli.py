@@ -450,6 +450,66 @@ def scrapeflood_cmd(quick: bool, out: str, scrapers: int) -> None:
     report.write_json(out, "scrapeflood", r)
 
 
+@bench.command(name="fdlimit")
+@quick_option
+@out_option
+def fdlimit_cmd(quick: bool, out: str) -> None:
+    """Probes and a new engine beside 256 segments + 1,000 idle connections, 1,024 files (#24)."""
+    from kvsidecar.bench import hostile_fds
+
+    r = hostile_fds.run_fdlimit(quick=quick)
+    report.print_table(
+        f"fdlimit: prlimit --nofile={r['fd_limit']}:{r['fd_limit']}, {r['segments']} segments, "
+        f"{r['idle_connections']} idle connections from another address",
+        ["segments up", "probes", "answered", "probe ms", "new engine served", "daemon fds"],
+        [[r["segments_served_before_attack"], r["probes"], r["probes_answered"],
+          " ".join(f"{t:.0f}" for t in r["probe_ms"]),
+          f"yes, {r['new_engine_served_after_s']:.1f} s" if r["new_engine_served"] else "NO",
+          r["daemon_fds"]]],
+    )  # fmt: skip
+    report.write_json(out, "fdlimit", r)
+
+
+@bench.command(name="tlsidle")
+@quick_option
+@out_option
+@click.option(
+    "--cert",
+    type=click.Choice(["rsa4096", "p256", "none"]),
+    default="rsa4096",
+    show_default=True,
+    help="none: plain HTTP connections.",
+)
+@click.option(
+    "--mode",
+    type=click.Choice(["handshaken", "scraped", "half-head", "mid"]),
+    default="half-head",
+    show_default=True,
+    help="What each connection does before idling: the handshake only, one "
+    "scrape, most of a request head (15 KB), or only a ClientHello.",
+)
+@click.option(
+    "--counts",
+    default="0,250,500,1000",
+    show_default=True,
+    help="Connections opened, comma-separated: one fresh daemon each.",
+)
+def tlsidle_cmd(quick: bool, out: str, cert: str, mode: str, counts: str) -> None:
+    """Daemon RSS against N idle (TLS) connections (#24)."""
+    from kvsidecar.bench import hostile_fds
+
+    r = hostile_fds.run_tlsidle(
+        quick=quick, cert=cert, mode=mode, counts=tuple(int(c) for c in counts.split(","))
+    )
+    report.print_table(
+        f"tlsidle: {r['certificate']}, {r['mode']} connections from another address",
+        ["opened", "kept open", "closed by daemon", "RSS MB", "baseline MB", "KB per kept"],
+        [[row["connections"], row["kept_open"], row["closed_by_daemon"], row["rss_mb"],
+          row["baseline_rss_mb"], row["kb_per_kept"]] for row in r["rows"]],
+    )  # fmt: skip
+    report.write_json(out, f"tlsidle-{cert}-{mode}", r)
+
+
 @bench.command(name="aggregate")
 @quick_option
 @out_option

@@ -251,6 +251,7 @@ def serve(
     from kvsidecar.daemon.budget import Budget
     from kvsidecar.daemon.endpoints import WebServer
     from kvsidecar.daemon.targets import TargetSet
+    from kvsidecar.protocol.reader import FDS_PER_SEGMENT
     from kvsidecar.web.config import WebConfigError
     from kvsidecar.web.config_file import load_web_config
     from kvsidecar.web.sockets import raise_fd_limit
@@ -311,6 +312,8 @@ def serve(
             web_config=web_config,
             max_requests=max_requests,
             stats=stats,
+            # A new engine's segment must still open when clients hold every connection.
+            reserved_fds=max_targets * FDS_PER_SEGMENT,
             version=__version__,
         )
         server.start()

@@ -17,6 +17,7 @@ import mmap
 import os
 import stat
 import struct
+import sys
 import time
 import typing
 
@@ -37,6 +38,11 @@ from kvsidecar.protocol.schema import (
 )
 
 DEFAULT_RETRIES = 8
+# Descriptors an attached reader holds: its own (fstat for truncation, the liveness lock
+# probe) and, before Python 3.13, the duplicate CPython's mmap keeps for size() and
+# resize(), which the reader never calls (3.13's trackfd=False makes none).
+_MMAP_KWARGS: dict[str, bool] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
+FDS_PER_SEGMENT = 1 if _MMAP_KWARGS else 2
 
 
 class ReadError(Exception):
@@ -219,7 +225,7 @@ class SegmentReader:
         if st.st_size < layout.PAGE or st.st_size > layout.MAX_SEGMENT_SIZE:
             return Corrupt(f"{path} has an impossible size {st.st_size}: not a kvsidecar segment")
         try:
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, access=mmap.ACCESS_READ)
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, access=mmap.ACCESS_READ, **_MMAP_KWARGS)
         except (OSError, ValueError) as e:
             return Refused(f"cannot map {path}: {e}")
         raw = _seqlock.copy_range(mm, 0, layout.HEADER_LEN)

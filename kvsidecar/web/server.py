@@ -19,6 +19,11 @@ replayed ClientHello closed before any crypto), and so do requests above
 ``max_requests`` (`fair`): 40 keep-alive scrapers cannot lock out a 41st. Malformed
 requests get 400/414/431/505 and one throttled log line (`request`); bcrypt checks are
 bounded and fair, and skipped for clients that left (`basic_auth`).
+
+Budgets: the connection cap fits a memory budget (`CONNECTION_MEMORY`, each connection
+counted at what it can keep) and leaves the open-file limit room for the daemon's
+segments (``reserved_fds``); at the limit anyway, `accept` spends a spare descriptor
+to close an idle connection rather than stall.
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvsidecar.web.accept import Acceptor
 from kvsidecar.web.basic_auth import AuthGate, BasicAuth
 from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
@@ -53,7 +59,7 @@ from kvsidecar.web.request import (
     parse_head,
     response_head,
 )
-from kvsidecar.web.sockets import BACKLOG, bind, format_address
+from kvsidecar.web.sockets import bind, format_address, open_fds
 from kvsidecar.web.stats import HTTPStats
 from kvsidecar.web.tls_context import peer_san_allowed
 from kvsidecar.web.tls_stream import TLSReader, TLSWriter, client_random, handshake
@@ -68,7 +74,21 @@ READY_PATH = "/-/ready"
 PROBE_PATHS = (HEALTHY_PATH, READY_PATH)
 OTHER = "other"  # handler label for unknown paths and unparseable requests
 _PLAIN = "text/plain; charset=utf-8"
-FD_RESERVE = 128  # fds kept free of connections: segments, logs, listeners
+# Descriptors kept free of connections besides those open at start and the caller's
+# ``reserved_fds`` (a segment each target may hold): log files, directory scans, a
+# segment being attached, the loop's own, the spare descriptor of `accept`.
+FD_RESERVE = 64
+# What one open connection can keep allocated, an upper bound of `kvsidecar bench
+# tlsidle` (RSS growth per connection kept, 1,000 connections opened, those closed at
+# the cap and replaced included): plain 29 KB with a request head nearly at its 16 KB
+# limit, 6.6 KB idle; TLS (RSA-4096) 55 KB with such a head, 40 KB idle after a scrape,
+# 33 KB idle after the handshake, 27 KB mid-handshake.
+PLAIN_CONNECTION_BYTES = 32 << 10
+TLS_CONNECTION_BYTES = 64 << 10
+# What open connections may cost together: with the daemon's own worst case under its
+# default budgets (~45 MB RSS with maximal targets, docs/reliability.md) the Kubernetes
+# sidecar's 64Mi limit keeps > 10 MB of headroom. Caps 384 plain, 192 TLS connections.
+CONNECTION_MEMORY = 12 << 20
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
@@ -97,6 +117,10 @@ class _Conn:
     host: str  # the address alone: the auth queue's fairness key
     task: asyncio.Task | None = None
     failed: bool = False  # sent wrong credentials: its next checks queue last
+    # Completed a ClientHello or a request head: while idle, closed at the cap only after
+    # those that never did (tricklers), so reconnecting tricklers from a probe's own
+    # address cannot close the probe mid-handshake whatever the cap.
+    progressed: bool = False
 
 
 async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes]) -> bool:
@@ -169,12 +193,16 @@ class _Front:
         # Connections waiting for a request head (or a handshake), oldest first: the ones
         # closed to make room when the cap is reached. Busy ones are never evicted.
         self.waiting: OrderedDict[_Conn, None] = OrderedDict()
+        self.fresh: OrderedDict[_Conn, None] = OrderedDict()  # those that never progressed
         # Connections whose answer waits for the client to read it, oldest first: closed
         # before any of those, since they already took their answer (slow readers).
         self.stalled: OrderedDict[_Conn, None] = OrderedDict()
-        self.servers: list[asyncio.base_events.Server] = []
+        self.acceptors: list[Acceptor] = []
+        self.connecting: set[asyncio.Task] = set()  # strong references until set up
+        self.unadmitted = 0  # accepted, not yet through _admit
         self.log_bad = Throttled(logging.INFO)
         self.log_loop = Throttled(logging.WARNING)
+        self.log_limit = Throttled(logging.WARNING)
 
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")
@@ -183,7 +211,8 @@ class _Front:
     # -- admission --
 
     def _admit(self, conn: _Conn) -> bool:
-        if self.max_connections and len(self.open) >= self.max_connections:
+        cap = self.cap()
+        if cap and len(self.open) >= cap:
             self.web.stats.connection_rejected()
             victim = self._victim(conn.host)
             if victim is None:
@@ -191,8 +220,43 @@ class _Front:
             self._drop(victim)
         self.open.add(conn)
         self.by_host.setdefault(conn.host, {})[conn] = None
-        self.waiting[conn] = None
+        self.fresh[conn] = None
         return True
+
+    def _room(self) -> int:
+        """Connections that fit under the cap, counting those accepted and not yet
+        admitted (each holds a descriptor already)."""
+        cap = self.cap()
+        if not cap:
+            return 1 << 30
+        return cap - len(self.open) - self.unadmitted
+
+    def cap(self) -> int:
+        """The connection cap now (0 = none): the descriptors' (``max_connections``) and
+        the memory budget's, which depends on whether TLS is on (a reload can turn it on)."""
+        tls = self.web._live.current().ssl_context is not None
+        per = TLS_CONNECTION_BYTES if tls else PLAIN_CONNECTION_BYTES
+        by_memory = max(1, self.web.connection_memory // per) if self.web.connection_memory else 0
+        caps = [c for c in (self.max_connections, by_memory) if c]
+        return min(caps) if caps else 0
+
+    def _make_room(self, host: str) -> bool:
+        """At the open-file limit (below the connection cap: something else holds
+        descriptors): close a connection for a newcomer from ``host``, as at the cap."""
+        victim = self._victim(host) if self.by_host else None
+        if victim is not None:
+            self._drop(victim)
+        return victim is not None
+
+    def _at_fd_limit(self) -> None:
+        self.web.stats.connection_rejected()
+        self.log_limit(
+            "http: the open-file limit is reached with %d connections open (cap %d): "
+            "closing idle ones to accept; raise the limit (LimitNOFILE=, ulimit -n) or "
+            "lower --max-targets",
+            len(self.open),
+            self.cap(),
+        )
 
     def _victim(self, host: str) -> _Conn | None:
         """Who makes room for a newcomer from ``host``. An address holding more than the
@@ -206,11 +270,11 @@ class _Front:
             return self._oldest_of(heaviest) or next(iter(self.by_host[heaviest]))
         if mine:
             return self._oldest_of(host)  # None: refused, lighter addresses keep theirs
-        idle = self.stalled or self.waiting
+        idle = self.stalled or self.fresh or self.waiting
         return next(iter(idle)) if idle else None
 
     def _oldest_of(self, host: str) -> _Conn | None:
-        for tier in (self.stalled, self.waiting):
+        for tier in (self.stalled, self.fresh, self.waiting):
             for c in tier:  # oldest first; only at the cap, so the scan is rare
                 if c.host == host:
                     return c
@@ -219,6 +283,7 @@ class _Front:
     def _forget(self, conn: _Conn) -> None:
         self.open.discard(conn)
         self.waiting.pop(conn, None)
+        self.fresh.pop(conn, None)
         self.stalled.pop(conn, None)
         conns = self.by_host.get(conn.host)
         if conns is not None:
@@ -233,13 +298,42 @@ class _Front:
             conn.task.cancel()
 
     def _set_waiting(self, conn: _Conn, waiting: bool) -> None:
+        tier = self.waiting if conn.progressed else self.fresh
         if waiting:
-            self.waiting[conn] = None  # to the young end: it just did something useful
-            self.waiting.move_to_end(conn)
+            tier[conn] = None  # to the young end: it just did something useful
+            tier.move_to_end(conn)
         else:
-            self.waiting.pop(conn, None)
+            tier.pop(conn, None)
 
     # -- one connection --
+
+    def _accepted(self, sock: socket.socket) -> None:
+        # What asyncio.start_server does per connection, minus its accept loop. Until
+        # _admit the connection counts in `unadmitted` (it holds a descriptor already).
+        self.unadmitted += 1
+        pending = [True]
+
+        def admitting() -> None:
+            if pending:
+                pending.clear()
+                self.unadmitted -= 1
+
+        async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            admitting()
+            await self.client(reader, writer)
+
+        async def connect() -> None:
+            try:
+                await self.loop.connect_accepted_socket(lambda: protocol, sock)
+            except OSError:
+                sock.close()  # reset before it was set up: the client is gone
+                admitting()  # a no-op if it got as far as client()
+
+        reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=self.loop)
+        protocol = asyncio.StreamReaderProtocol(reader, client, loop=self.loop)
+        task = self.loop.create_task(connect())
+        self.connecting.add(task)
+        task.add_done_callback(self.connecting.discard)
 
     async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         peername = writer.get_extra_info("peername") or ("?", 0)
@@ -301,8 +395,18 @@ class _Front:
 
     async def _handshake_step(self, conn: _Conn, fn: Callable[[], None]) -> None:
         # The CPU off the loop, in turns fair per address, at most a few per address.
-        async with self.handshakes.turn(conn.host):
-            await self.loop.run_in_executor(self.tls_pool, fn)
+        # Meanwhile the connection is not evictable: below the TLS cap's few hundred, a
+        # flood of reconnecting tricklers could otherwise close each probe mid-handshake
+        # (the gate bounds how many are protected; a client silent between steps is not).
+        conn.progressed = True  # a whole ClientHello (or the next flight)
+        self._set_waiting(conn, False)
+        self.fresh.pop(conn, None)
+        try:
+            async with self.handshakes.turn(conn.host):
+                await self.loop.run_in_executor(self.tls_pool, fn)
+        finally:
+            if conn in self.open:
+                self._set_waiting(conn, True)
 
     def _fresh_hello(self, record: bytes) -> bool:
         """False for a ClientHello whose random was seen recently: a canned hello replayed
@@ -336,6 +440,8 @@ class _Front:
         except BadRequest as e:
             await self._error(conn, e)
             return False
+        self.fresh.pop(conn, None)
+        conn.progressed = True
         self._set_waiting(conn, False)
         t0 = time.monotonic()
         status, route = await self._answer(conn, request)
@@ -509,12 +615,8 @@ class _Front:
         asyncio.set_event_loop(self.loop)
         try:
             for sock in sockets:
-                server = self.loop.run_until_complete(
-                    asyncio.start_server(
-                        self.client, sock=sock, limit=MAX_HEAD_BYTES, backlog=BACKLOG
-                    )
-                )
-                self.servers.append(server)
+                front = (self._accepted, self._make_room, self._room, self._at_fd_limit)
+                self.acceptors.append(Acceptor(self.loop, sock, *front))
         finally:
             started.set()
         self.loop.run_forever()
@@ -530,8 +632,8 @@ class _Front:
 
     def stop(self) -> None:
         def _stop() -> None:
-            for server in self.servers:
-                server.close()
+            for acceptor in self.acceptors:
+                acceptor.close()
             self.loop.stop()
 
         self.loop.call_soon_threadsafe(_stop)
@@ -550,8 +652,13 @@ class WebServer:
     their turn. ``max_connections`` caps open connections;
     at the cap the connection that has waited longest for its request is closed to make
     room, so clients that never finish a request cannot lock out those that do.
+    ``connection_memory`` bounds what open connections may cost together (0 = no bound):
+    it caps them at ``connection_memory // TLS_CONNECTION_BYTES`` with TLS on, and
+    `PLAIN_CONNECTION_BYTES` each without.
     ``request_timeout_s`` bounds a TLS handshake, a whole request head (and the idle time
-    before it) and the writing of an answer.
+    before it) and the writing of an answer. ``reserved_fds`` are descriptors the rest of
+    the process may open later (the daemon's segments): the cap leaves room for them,
+    for those open at start and `FD_RESERVE`, under the open-file limit.
     """
 
     def __init__(
@@ -567,6 +674,8 @@ class WebServer:
         stats: HTTPStats | None = None,
         realm: str = "kvsidecar",
         config_check_interval_s: float = 1.0,
+        reserved_fds: int = 0,
+        connection_memory: int = CONNECTION_MEMORY,
     ) -> None:
         if not listen_addresses:
             raise ValueError("at least one listen address is required")
@@ -577,13 +686,17 @@ class WebServer:
                     f"invalid route path {path!r}: it must start with / and not be "
                     f"{' or '.join(PROBE_PATHS)} (the server answers those itself)"
                 )
-        if max_requests < 0 or max_connections < 0:
-            raise ValueError("max_requests and max_connections must be >= 0 (0 = unlimited)")
+        if max_requests < 0 or max_connections < 0 or connection_memory < 0:
+            raise ValueError(
+                "max_requests, max_connections and connection_memory must be >= 0 (0 = unlimited)"
+            )
         self.routes = dict(routes)
         self.ready = ready
         self.max_requests = max_requests
         self.max_connections = max_connections
         self.request_timeout_s = request_timeout_s
+        self.reserved_fds = reserved_fds
+        self.connection_memory = connection_memory
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
         self._live = LiveConfig(web_config, config_check_interval_s)
@@ -622,14 +735,7 @@ class WebServer:
                 sock.close()
             self._sockets.clear()
             raise
-        cap = self.max_connections
-        # Leave fds for segments, logs and the listeners; past the limit accept fails.
-        fd_room = max(16, resource.getrlimit(resource.RLIMIT_NOFILE)[0] - FD_RESERVE)
-        if cap == 0 or cap > fd_room:
-            if cap:
-                log.warning("max connections %d lowered to %d by the open-file limit", cap, fd_room)
-            cap = fd_room
-        self._front = _Front(self, cap)
+        self._front = _Front(self, self._connection_cap())
         started = threading.Event()
         self._thread = threading.Thread(
             target=self._front.run,
@@ -642,6 +748,25 @@ class WebServer:
         scheme = "https" if self.tls else "http"
         for address in self.addresses:
             log.info("listening on %s://%s", scheme, address)
+
+    def _connection_cap(self) -> int:
+        """max_connections, lowered to what the open-file limit leaves once the
+        descriptors open now, ``reserved_fds`` and `FD_RESERVE` are set aside: past the
+        limit a segment cannot be opened (a new engine is not served) and accept fails."""
+        cap = self.max_connections
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        if soft == resource.RLIM_INFINITY:
+            return cap
+        fd_room = max(16, soft - open_fds() - self.reserved_fds - FD_RESERVE)
+        if cap == 0 or cap > fd_room:
+            if cap:
+                log.warning(
+                    "max connections %d lowered to %d by the open-file limit %d "
+                    "(%d descriptors kept for segments and %d for the rest)",
+                    cap, fd_room, soft, self.reserved_fds, FD_RESERVE,
+                )  # fmt: skip
+            cap = fd_room
+        return cap
 
     def shutdown(self) -> None:
         """Stop accepting, close the listeners and every connection."""

@@ -5,10 +5,11 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import resource
 import socket
 
-__all__ = ["BACKLOG", "bind", "format_address", "raise_fd_limit"]
+__all__ = ["BACKLOG", "bind", "format_address", "open_fds", "raise_fd_limit"]
 
 log = logging.getLogger("kvsidecar.web")
 
@@ -64,3 +65,11 @@ def raise_fd_limit() -> int:
         except (OSError, ValueError) as e:
             log.warning("cannot raise the open-file limit from %d to %d: %s", soft, target, e)
     return soft
+
+
+def open_fds() -> int:
+    """Descriptors this process holds now (0 where /proc is not mounted)."""
+    try:
+        return len(os.listdir("/proc/self/fd")) - 1  # less the one listing them
+    except OSError:
+        return 0

@@ -19,6 +19,11 @@ from typing import Any
 __all__ = ["Step", "TLSReader", "TLSWriter", "client_random", "handshake"]
 
 _CHUNK = 65536
+# Ciphertext moves through OpenSSL's memory BIOs this much at a time: a memory BIO keeps
+# the capacity of the largest write for the connection's life (one per connection each
+# way), so 64 KB pieces left ~16-64 KB per idle connection behind; 4 KB pieces cost a
+# few more calls per request and keep at most ~4 KB each way.
+_BIO_PIECE = 4096
 
 
 class _TLS:
@@ -37,7 +42,7 @@ class _TLS:
     async def feed(self) -> bool:
         """More ciphertext from the peer; False at EOF."""
         self.flush()
-        data = await self.raw_reader.read(_CHUNK)
+        data = await self.raw_reader.read(_BIO_PIECE)
         if not data:
             self.incoming.write_eof()
             return False
@@ -60,6 +65,8 @@ async def _plain_http(writer: asyncio.StreamWriter) -> None:
     except OSError:
         pass
     writer.close()
+
+
 Step = Callable[[Callable[[], None]], Awaitable[None]]
 """Runs one ``do_handshake`` call: the CPU of the handshake (an RSA signature is
 milliseconds) happens there, e.g. on a thread, so the caller's loop keeps answering."""
@@ -183,9 +190,11 @@ class TLSWriter:
         self._tls = tls
         self.transport = tls.raw_writer.transport
 
-    def write(self, data: bytes) -> None:
-        self._tls.obj.write(data)
-        self._tls.flush()
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data)
+        for i in range(0, len(view), _BIO_PIECE):
+            self._tls.obj.write(view[i : i + _BIO_PIECE])
+            self._tls.flush()
 
     async def drain(self) -> None:
         await self._tls.raw_writer.drain()
