@@ -319,8 +319,10 @@ def run_tlsidle(
     cert: str = "rsa4096",
     mode: str = "handshaken",
     counts: tuple[int, ...] = (0, 250, 500, 1000),
+    serve_args: tuple[str, ...] = (),
 ) -> dict[str, Any]:
-    """Daemon RSS against N idle TLS connections (one fresh daemon per N)."""
+    """Daemon RSS against N idle TLS connections (one fresh daemon per N); serve_args
+    are more `kvsidecar serve` flags."""
     if quick:
         counts = tuple(c for c in counts if c <= 250) or (0, 100)
     _raise_nofile(max(counts) + 256)
@@ -339,7 +341,9 @@ def run_tlsidle(
         for n in counts:
             shm_dir = tempfile.mkdtemp(prefix="kvsidecar-tlsidle-", dir="/dev/shm")
             try:
-                daemon, url = start_daemon(shm_dir, *args, wait_for_source=False, context=ctx)
+                daemon, url = start_daemon(
+                    shm_dir, *args, *serve_args, wait_for_source=False, context=ctx
+                )
                 port = int(url.rsplit(":", 1)[1])
                 try:
                     base, base_socks = proc_stat(daemon.pid)[0], _tcp_established(daemon.pid)

@@ -123,6 +123,18 @@ def _telemetry_path(value: str) -> str:
         "then 503 (0 = no limit)."
     ),
 )
+@click.option(
+    "--web.connection-memory-bytes",
+    "connection_memory",
+    type=click.IntRange(256 * 1024),
+    default=settings.WEB_CONNECTION_MEMORY_BYTES.default,
+    show_default=True,
+    envvar=settings.WEB_CONNECTION_MEMORY_BYTES.name,
+    help=(
+        "What open connections may cost together, each counted at 64 KiB with TLS, 32 KiB "
+        "without (the default allows 192 TLS / 384 plain); idle ones are closed first at the cap."
+    ),
+)
 @trust_options
 @click.option(
     "--ready-requires-source",
@@ -229,6 +241,7 @@ def serve(
     web_config_file: str | None,
     telemetry_path: str,
     max_requests: int,
+    connection_memory: int,
     allow_uids: tuple[int, ...],
     allow_any_uid: bool,
     ready_requires_source: bool,
@@ -311,6 +324,7 @@ def serve(
             telemetry_path=telemetry_path,
             web_config=web_config,
             max_requests=max_requests,
+            connection_memory=connection_memory,
             stats=stats,
             # A new engine's segment must still open when clients hold every connection.
             reserved_fds=max_targets * FDS_PER_SEGMENT,

@@ -39,3 +39,15 @@ def test_idle_plain_connections_are_capped_by_the_memory_budget() -> None:
     assert row["kept_open"] <= CONNECTION_MEMORY // PLAIN_CONNECTION_BYTES + SLACK, row
     grown = (row["rss_mb"] - row["baseline_rss_mb"]) * 2**20
     assert grown <= 1.5 * CONNECTION_MEMORY, row
+
+
+def test_the_connection_memory_flag_sets_the_cap() -> None:
+    """`--web.connection-memory-bytes 1 MiB`: at most 32 plain connections kept of 200
+    (the default would keep all 200). The operator with a larger memory limit raises it."""
+    (row,) = run_tlsidle(
+        cert="none",
+        mode="half-head",
+        counts=(200,),
+        serve_args=("--web.connection-memory-bytes", str(1 << 20)),
+    )["rows"]
+    assert row["kept_open"] <= (1 << 20) // PLAIN_CONNECTION_BYTES + SLACK, row
