@@ -246,6 +246,9 @@ class SnapshotCollector:
             for name, reason in stats.get("refused_files", []):
                 refused_file.add_metric([name, reason], 1.0)
             yield refused_file
+            unremembered = _family(defs["kvsidecar_refused_segments_unremembered"], ())
+            unremembered.add_metric([], stats.get("unremembered", 0))
+            yield unremembered
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
 

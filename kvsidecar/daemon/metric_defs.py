@@ -665,7 +665,8 @@ DAEMON: tuple[MetricDef, ...] = (
         "",
         "Files in the shm directory matching the prefix that the daemon does not follow now "
         "(symlink, FIFO, foreign owner, unreadable, newer major version, over --max-targets); "
-        "the log summarizes why.",
+        "the log summarizes why. Exact as of the last listing, those beyond the remembered "
+        "16,384 included (kvsidecar_refused_segments_unremembered).",
     ),
     MetricDef(
         "kvsidecar_segment_refusals_total",
@@ -674,7 +675,9 @@ DAEMON: tuple[MetricDef, ...] = (
         "Discovered files refused, each counted once per file identity (label reason: "
         "symlink, not_regular, foreign_owner, version = a newer major version, unreadable, "
         "vanished = gone before it could be read, max_targets = over --max-targets). Each file "
-        "still refused has a kvsidecar_refused_file series.",
+        "still refused has a kvsidecar_refused_file series. A lower bound while "
+        "kvsidecar_refused_segments_unremembered > 0: files beyond the remembered ones are "
+        "not counted.",
     ),
     MetricDef(
         "kvsidecar_discovery_up",
@@ -725,6 +728,15 @@ DAEMON: tuple[MetricDef, ...] = (
         "a newer major layout/schema version, unreadable, symlink, not_regular, foreign_owner, "
         "max_targets); `kvsidecar ls` says why. At most --max-targets series, by file name: "
         "kvsidecar_refused_segments has the full count.",
+    ),
+    MetricDef(
+        "kvsidecar_refused_segments_unremembered",
+        GAUGE,
+        "",
+        "Refused files of the last listing beyond the 16,384 the daemon remembers (its memory "
+        "stays bounded however many files others create): each is refused again from an "
+        "lstat at every listing, never followed, and not counted in "
+        "kvsidecar_segment_refusals_total.",
     ),
 )
 
