@@ -189,8 +189,8 @@ def discoverflood_cmd(quick: bool, out: str) -> None:
     c = r["churn"]
     report.print_table(
         f"daemon cores beside {c['files']} foreign files, {c['window_s']} s windows",
-        ["quiet", "directory changing", "new engine served after s", "RSS MB"],
-        [[c["cores_quiet"], c["cores_churn"], c["new_engine_served_after_s"], c["rss_mb"]]],
+        ["quiet", "directory changing", "new engines served after s", "RSS MB"],
+        [[c["cores_quiet"], c["cores_churn"], c["new_engines_served_after_s"], c["rss_mb"]]],
     )
     report.write_json(out, "discoverflood", r)
 
