@@ -804,7 +804,9 @@ class TargetSet:
 
     def _flush_summary(self, now: float) -> None:
         """One log line per interval for every refusal since the last one."""
-        more = self.unremembered != self._unremembered_logged
+        if not self.unremembered:
+            self._unremembered_logged = 0
+        more = self.unremembered and self.unremembered != self._unremembered_logged
         if not (self._pending or more) or now - self._last_summary < self.summary_interval:
             return
         if self.summary_interval == float("inf"):
@@ -815,7 +817,7 @@ class TargetSet:
             example = self._pending_example
             log.warning("refused %d file(s) in %s (%s); e.g. %s", total, self.shm_dir, kinds,
                         example)  # fmt: skip
-        if more and self.unremembered:
+        if more:
             log.warning(
                 "%d more refused file(s) in %s beyond the %d remembered: refused again at each "
                 "listing, not counted in kvsidecar_segment_refusals_total",
