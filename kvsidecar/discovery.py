@@ -4,14 +4,19 @@ from __future__ import annotations
 
 import fnmatch
 import os
+from collections.abc import Iterator
 
 from kvsidecar.protocol.names import InvalidName, validate_name
 
 
-def scan_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) -> dict[str, int]:
-    """{name: inode} of the entries in shm_dir that could be segments (valid names with
-    the prefix/glob). Raises OSError if the directory cannot be listed: "cannot look"
-    must never read as "no segments" (that would forget every live target).
+def iter_segments(
+    shm_dir: str, prefix: str = "", pattern: str | None = None
+) -> Iterator[tuple[str, int]]:
+    """(name, inode) of each entry in shm_dir that could be a segment (a valid name with
+    the prefix/glob), as readdir returns them: nothing is kept per entry, so a caller
+    can look at a directory of any size in bounded memory. Raises OSError if the
+    directory cannot be listed: "cannot look" must never read as "no segments" (that
+    would forget every live target).
 
     Dot-files are skipped, so writers' temporary ``.<name>.tmp`` files are never
     picked up half-made. Symlinks, FIFOs and the like are listed too: the caller
@@ -19,11 +24,11 @@ def scan_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) ->
     from readdir (no stat), so a caller can tell a replaced file from an unchanged one
     for free.
     """
-    out: dict[str, int] = {}
     with os.scandir(shm_dir) as entries:
         for entry in entries:
             name = entry.name
-            if name.startswith(".") or not name.startswith(prefix):
+            # Cheapest tests first: most names in a shared directory are not ours.
+            if not name.startswith(prefix) or name.startswith("."):
                 continue
             if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
                 continue
@@ -31,8 +36,12 @@ def scan_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) ->
                 validate_name(name)
             except InvalidName:
                 continue
-            out[name] = entry.inode()
-    return out
+            yield name, entry.inode()
+
+
+def scan_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) -> dict[str, int]:
+    """{name: inode} of `iter_segments`; raises OSError as it does."""
+    return dict(iter_segments(shm_dir, prefix, pattern))
 
 
 def list_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) -> list[str]:

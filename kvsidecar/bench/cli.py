@@ -169,6 +169,32 @@ def hostile_cmd(quick: bool, out: str, only: tuple[str, ...]) -> None:
     report.write_json(out, "hostile", r)
 
 
+@bench.command(name="discoverflood")
+@quick_option
+@out_option
+def discoverflood_cmd(quick: bool, out: str) -> None:
+    """Discovery beside N files of another uid: RSS per file, cores while they churn (#24)."""
+    from kvsidecar.bench import discover_flood
+
+    r = discover_flood.run(quick=quick)
+    if "skipped" in r:
+        click.echo(f"discoverflood skipped: {r['skipped']}")
+        return
+    mem = r["memory"]
+    report.print_table(
+        f"daemon RSS beside N foreign files (none: {mem['rss_0_files_mb']} MB)",
+        ["files", "RSS MB", "peak RSS MB", "bytes/file", "bytes/added file"],
+        [list(m.values())[:5] for m in mem["rows"]],
+    )
+    c = r["churn"]
+    report.print_table(
+        f"daemon cores beside {c['files']} foreign files, {c['window_s']} s windows",
+        ["quiet", "directory changing", "new engines served after s", "RSS MB"],
+        [[c["cores_quiet"], c["cores_churn"], c["new_engines_served_after_s"], c["rss_mb"]]],
+    )
+    report.write_json(out, "discoverflood", r)
+
+
 @bench.command(name="all")
 @quick_option
 @out_option

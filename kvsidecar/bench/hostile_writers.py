@@ -54,10 +54,10 @@ def _kill(pids: list[int]) -> None:
             os.waitpid(pid, 0)
 
 
-def good_writer(shm_dir: str, ranks: int = 4) -> int:
+def good_writer(shm_dir: str, ranks: int = 4, tag: str = "good") -> int:
     def main() -> None:
         writers = [
-            SegmentWriter(f"kvsidecar.good.dp{d}.tp0.pp0", shm_dir=shm_dir) for d in range(ranks)
+            SegmentWriter(f"kvsidecar.{tag}.dp{d}.tp0.pp0", shm_dir=shm_dir) for d in range(ranks)
         ]
         snap = realistic_snapshot(4)
         while True:

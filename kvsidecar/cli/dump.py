@@ -60,6 +60,12 @@ def _targets(
     ts.poll_all()
     for name, why in sorted(ts.refused.items()) if report_refused else ():
         click.echo(f"kvsidecar: refused {printable(name)}: {printable(why)}", err=True)
+    if ts.unremembered:  # a flood of refused files: the listing stays bounded
+        click.echo(
+            f"kvsidecar: {ts.unremembered} more refused file(s) not listed "
+            f"(beyond the first {ts.max_refused})",
+            err=True,
+        )
     return ts
 
 

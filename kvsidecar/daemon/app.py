@@ -153,6 +153,7 @@ class Daemon:
             "last_poll_duration_s": self.targets.last_poll_duration_s,
             "polls_total": self.targets.polls_total,
             "refused": self.targets.refused_count,
+            "unremembered": self.targets.unremembered,
             "refused_files": self.targets.refused_files(self.targets.max_targets),
             "refusals": dict(self.targets.refusals_total),
             "discovery_error": self.targets.discovery_error,

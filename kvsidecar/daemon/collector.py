@@ -249,6 +249,9 @@ class SnapshotCollector:
             waiting = _family(defs["kvsidecar_targets_waiting"], ())
             waiting.add_metric([], stats.get("waiting", 0))
             yield waiting
+            unremembered = _family(defs["kvsidecar_refused_segments_unremembered"], ())
+            unremembered.add_metric([], stats.get("unremembered", 0))
+            yield unremembered
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
 

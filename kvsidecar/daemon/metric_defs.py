@@ -665,7 +665,8 @@ DAEMON: tuple[MetricDef, ...] = (
         "",
         "Files in the shm directory matching the prefix that the daemon does not follow now "
         "(symlink, FIFO, foreign owner, unreadable, newer major version, over --max-targets); "
-        "the log summarizes why.",
+        "the log summarizes why. Exact as of the last listing, those beyond the remembered "
+        "16,384 included (kvsidecar_refused_segments_unremembered).",
     ),
     MetricDef(
         "kvsidecar_segment_refusals_total",
@@ -675,7 +676,9 @@ DAEMON: tuple[MetricDef, ...] = (
         "symlink, not_regular, foreign_owner, version = a newer major version, unreadable, "
         "vanished = gone before it could be read, max_targets = over --max-targets, admission = "
         "a new name that had to wait for --max-new-targets, counted once per target). Each "
-        "file still refused has a kvsidecar_refused_file series.",
+        "file still refused has a kvsidecar_refused_file series. A lower bound while "
+        "kvsidecar_refused_segments_unremembered > 0: files beyond the remembered ones are "
+        "not counted.",
     ),
     MetricDef(
         "kvsidecar_discovery_up",
@@ -734,6 +737,15 @@ DAEMON: tuple[MetricDef, ...] = (
         "Segments followed but not exported yet: new names waiting for admission "
         "(--max-new-targets, then one per --new-target-interval; live and longest-followed "
         "first). No series carries their names until they are admitted.",
+    ),
+    MetricDef(
+        "kvsidecar_refused_segments_unremembered",
+        GAUGE,
+        "",
+        "Refused files of the last listing beyond the 16,384 the daemon remembers (its memory "
+        "stays bounded however many files others create): each is refused again from an "
+        "lstat at every listing, never followed, and not counted in "
+        "kvsidecar_segment_refusals_total.",
     ),
 )
 

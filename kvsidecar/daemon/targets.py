@@ -7,10 +7,12 @@ half-updated target.
 
 The shm directory is shared with other local users, so discovery is built to
 cost little whatever they put there: a refused file is remembered by its
-identity and costs at most an ``lstat`` per rescan, refusals are counted and
-summarized in one log line per interval, the number of followed targets is
-capped, a file that vanished before it could be read mints nothing, and a
-failing ``listdir`` keeps every known target (see docs/security.md).
+identity (in one int, up to MAX_REFUSED files) and costs at most an ``lstat`` per
+rescan, a listing is paced by what it cost (at most 1/LISTING_PACE of a core however
+often the directory changes), refusals are counted and summarized in one log line
+per interval, the number of followed targets is capped, a file that vanished before
+it could be read mints nothing, and a failing ``listdir`` keeps every known target
+(see docs/security.md).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from kvsidecar.daemon.budget import (
     identity_error,
     sanitize,
 )
-from kvsidecar.discovery import scan_segments
+from kvsidecar.discovery import iter_segments
 from kvsidecar.protocol import _seqlock, layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR
 from kvsidecar.protocol.reader import (
@@ -77,6 +79,18 @@ SUMMARY_INTERVAL = 60.0  # seconds between two refusal-summary / discovery-error
 # file edited or chowned in place is noticed within a few scans, at a bounded cost).
 RECHECK_PER_SCAN = 4096
 _MTIME_SETTLE_NS = 2_000_000_000  # tmpfs mtimes are coarse: trust one only once it is this old
+# Refused files remembered at most: beyond it a refused file is not remembered (nor
+# counted: kvsidecar_segment_refusals_total is then a lower bound), it is lstat'ed again
+# at each listing and still never followed. An entry is one int and its name: ~160 bytes.
+MAX_REFUSED = 16_384
+# A listing (and what it leads to) that cost d CPU-seconds is not repeated before
+# LISTING_PACE * d: however often another user changes the directory, discovery takes at
+# most 1/LISTING_PACE of a core, and a new engine is found within about that long.
+LISTING_PACE = 20
+LISTING_FREE_S = 0.005  # a listing cheaper than this is not paced (a small directory)
+# While refused files are not remembered, an unchanged directory is listed again this
+# often, so one of them edited or chowned in place is still noticed.
+RELIST_UNREMEMBERED_S = 60.0
 # Reader refusals that are the daemon's own shortage, not the file's fault: retry, never cache.
 _TRANSIENT = {
     os.strerror(e): errno.errorcode[e] for e in (errno.EMFILE, errno.ENFILE, errno.ENOMEM)
@@ -379,13 +393,48 @@ def _refuse_open_directory(path: str, st: os.stat_result) -> None:
         )
 
 
-@dataclass(slots=True)
-class _Refused:
-    ino: int  # from readdir: a replaced file is noticed without a stat
-    key: int  # hash of (dev, ino, mtime, ctime, size): an edited file is looked at again
-    reason: str
-    message: str | None  # None: rebuilt from the reason (keeps 50,000 entries small)
-    uid: int = -1  # the owner, for a foreign_owner message that names it
+# A remembered refusal is one int, not an object with five fields (44 bytes, not ~170, and
+# not tracked by the garbage collector): bits 0-63 the inode from readdir (a replaced file
+# is noticed without a stat), 64-127 the _file_key (an edited file is looked at again),
+# 128-131 the reason, 132-139 the listing that last saw it (so a listing marks what it
+# sees in place, building no set of 16,384 names), 140- the owner's uid + 1 (for a
+# foreign_owner message that names it).
+_M64 = (1 << 64) - 1
+_GEN_SHIFT, _GEN_MASK = 132, 255
+_REASON_CODE = {r: i for i, r in enumerate(REFUSAL_REASONS)}
+
+
+def _pack(ino: int, key: int, reason: str, uid: int, gen: int) -> int:
+    return (ino & _M64) | key << 64 | _REASON_CODE[reason] << 128 | gen << 132 | (uid + 1) << 140
+
+
+def _ino(entry: int) -> int:
+    return entry & _M64
+
+
+def _key(entry: int) -> int:
+    return entry >> 64 & _M64
+
+
+def _reason(entry: int) -> str:
+    return REFUSAL_REASONS[entry >> 128 & 15]
+
+
+def _gen(entry: int) -> int:
+    return entry >> _GEN_SHIFT & _GEN_MASK
+
+
+def _with_gen(entry: int, gen: int) -> int:
+    return entry & ~(_GEN_MASK << _GEN_SHIFT) | gen << _GEN_SHIFT
+
+
+def _uid(entry: int) -> int:
+    return (entry >> 140) - 1
+
+
+def _file_key(st: os.stat_result) -> int:
+    """What changes when a file is replaced, edited or chowned in place."""
+    return hash((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size)) & _M64
 
 
 def _sep(why: str) -> str:
@@ -420,6 +469,7 @@ class TargetSet:
         summary_interval: float = SUMMARY_INTERVAL,
         recheck_per_scan: int = RECHECK_PER_SCAN,
         admission: Admission | None = None,
+        max_refused: int = MAX_REFUSED,
     ) -> None:
         self.shm_dir = shm_dir
         self.prefix = prefix
@@ -441,7 +491,15 @@ class TargetSet:
         self.recheck_per_scan = recheck_per_scan
         self._recheck_queue: list[str] = []
         self.targets: dict[str, Target] = {}
-        self._refused: dict[str, _Refused] = {}
+        self.max_refused = max_refused
+        self._refused: dict[str, int] = {}  # name -> _pack(...)
+        self._messages: dict[str, str] = {}  # the few refusals whose message is not rebuilt
+        self.unremembered = 0  # refused files of the last listing with no room in _refused
+        self._overflow = 0  # counting them during a listing
+        self._gen = 0  # the current listing's number (mod 256), marked on what it sees
+        self._unremembered_logged = 0
+        self._next_listing = 0.0  # monotonic time before which the directory is not listed
+        self._relist_at = float("inf")  # an unchanged directory is listed again then
         self._note = NameThrottle()  # per-name log lines (found, gone, state changes)
         self.refusals_total: dict[str, int] = {}  # by reason: each refused file counted once
         self.discovery_errors_total: dict[str, int] = {}  # by cause (errno name)
@@ -465,12 +523,16 @@ class TargetSet:
 
     @property
     def refused(self) -> dict[str, str]:
-        """Discovered files not followed now: name -> why."""
-        return {n: r.message or self._message(n, r.reason, r.uid) for n, r in self._refused.items()}
+        """Discovered files not followed now and remembered: name -> why."""
+        return {
+            n: self._messages.get(n) or self._message(n, _reason(e), _uid(e))
+            for n, e in self._refused.items()
+        }
 
     @property
     def refused_count(self) -> int:
-        return len(self._refused)
+        """Files not followed now: those remembered, and those beyond MAX_REFUSED."""
+        return len(self._refused) + self.unremembered
 
     def refused_files(self, limit: int) -> list[tuple[str, str]]:
         """(name, reason) of the first `limit` refused files by name: one health series
@@ -480,7 +542,7 @@ class TargetSet:
         for name in heapq.nsmallest(limit, list(self._refused)):
             entry = self._refused.get(name)
             if entry is not None:
-                out.append((name, entry.reason))
+                out.append((name, _reason(entry)))
         return out
 
     def _message(self, name: str, reason: str, uid: int = -1) -> str:
@@ -505,18 +567,20 @@ class TargetSet:
         """
         now = time.monotonic()
         self._last_discovery = now
+        cpu = time.thread_time()
         try:
             st = os.stat(self.shm_dir)
             _refuse_open_directory(self.shm_dir, st)
             # ctime too: a chmod (an unreadable directory) must be seen at once.
             dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-            if dir_key == self._dir_key:
-                # Nothing was added, removed or renamed since the last scan.
+            # Unchanged: nothing was added, removed or renamed since the last listing.
+            # Changed too soon: the last listing's cost says wait (a flood of changes).
+            if (dir_key == self._dir_key and now < self._relist_at) or now < self._next_listing:
                 self._discovery_ok()
                 self._recheck_some()
                 self._flush_summary(now)
                 return
-            listed = scan_segments(self.shm_dir, self.prefix, self.pattern)
+            seen, todo = self._list()
         except FileNotFoundError as e:
             if self.shm_dir != DEFAULT_SHM_DIR:
                 self._discovery_failed(e, now)
@@ -531,7 +595,9 @@ class TargetSet:
                 self._waiting_logged = True
             self._discovery_ok()
             self._dir_key = None
-            self._rescan({})
+            self._refused.clear()
+            self._rescan(set(), [])
+            self.unremembered = 0
             self._flush_summary(now)
             return
         except OSError as e:
@@ -540,15 +606,50 @@ class TargetSet:
         self._discovery_ok()
         settled = time.time_ns() - max(st.st_mtime_ns, st.st_ctime_ns) > _MTIME_SETTLE_NS
         self._dir_key = dir_key if settled else None
-        self._rescan(listed)
+        self._rescan(seen, todo)
+        self.unremembered = self._overflow
+        self._relist_at = now + RELIST_UNREMEMBERED_S if self.unremembered else float("inf")
+        cost = time.thread_time() - cpu
+        self._next_listing = now + LISTING_PACE * cost if cost > LISTING_FREE_S else 0.0
         self._flush_summary(now)
+
+    def _list(self) -> tuple[set[str], list[tuple[str, int]]]:
+        """One pass over the directory, keeping nothing per entry: the targets it lists,
+        and the (name, inode) to consider (new or replaced files an lstat does not
+        refuse, explicit names, --max-targets retries). A new file that an lstat refuses
+        (foreign owner, symlink, FIFO) is refused here; each remembered refusal listed is
+        marked with this listing's number."""
+        targets, refused, explicit = self.targets, self._refused, set(self.explicit)
+        gen = self._gen = (self._gen + 1) & _GEN_MASK
+        room = len(targets) < self.max_targets
+        # At the cap, files refused for it are looked at again, a few per scan, while a
+        # target that was never up holds a slot: a live engine may take that slot.
+        retry = self.recheck_per_scan if room or self._junk() is not None else 0
+        seen: set[str] = set()  # bounded: targets only
+        todo = []
+        self._overflow = 0
+        for name, ino in iter_segments(self.shm_dir, self.prefix, self.pattern):
+            if name in targets:
+                seen.add(name)
+                continue
+            entry = refused.get(name)
+            # The same refused file as before costs nothing (the inode comes from readdir).
+            if entry is not None and _ino(entry) == ino:
+                refused[name] = _with_gen(entry, gen)
+                if _reason(entry) == "max_targets" and retry:
+                    retry -= 1
+                    todo.append((name, ino))
+                continue
+            if name in explicit or self._screen(name, ino) is not None:
+                todo.append((name, ino))
+        return seen, todo
 
     def _recheck_some(self) -> None:
         """Re-lstat the next slice of refused files; look again at those that changed."""
         queue = self._recheck_queue
         if not queue:
             queue = self._recheck_queue = [
-                n for n, r in self._refused.items() if r.reason != "max_targets"
+                n for n, e in self._refused.items() if _reason(e) != "max_targets"
             ]
         batch = queue[-self.recheck_per_scan :]
         del queue[-self.recheck_per_scan :]
@@ -561,35 +662,25 @@ class TargetSet:
                 st = os.lstat(self.shm_dir + "/" + name)
             except OSError:
                 continue  # gone: the directory changed, the next scan sees it
-            key = hash((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
-            if key != entry.key:
-                self._consider(name, entry.ino, name in explicit)
+            if _file_key(st) != _key(entry):
+                self._consider(name, _ino(entry), name in explicit)
 
-    def _rescan(self, listed: dict[str, int]) -> None:
+    def _rescan(self, seen: set[str], todo: list[tuple[str, int]]) -> None:
+        """After a listing: forget what it no longer shows (targets not in `seen`,
+        refusals it did not mark), then consider `todo`."""
         explicit = set(self.explicit)
-        found = explicit | listed.keys()
-        for name in sorted(self.targets.keys() - found):
+        for name in sorted(self.targets.keys() - seen - explicit):
             if self.targets[name].shown:  # a hidden one was never logged as found
                 self._note(name, logging.INFO, "gone, forgetting it")
             self.targets.pop(name).close()
-        refused = self._refused
-        for name in [n for n in refused if n not in listed]:
-            del refused[name]
-        room = len(self.targets) < self.max_targets
-        # At the cap, files refused for it are looked at again, a few per scan, while a
-        # target that was never up holds a slot: a live engine may take that slot.
-        retry = self.recheck_per_scan if room or self._junk() is not None else 0
-        new = []
-        for name in found - self.targets.keys():
-            entry = refused.get(name)
-            # The same refused file as before costs nothing (the inode comes from readdir).
-            if entry is None or entry.ino != listed.get(name, 0):
-                new.append(name)
-            elif entry.reason == "max_targets" and retry:
-                retry -= 1
-                new.append(name)
-        for name in sorted(new, key=lambda n: (n not in explicit, n)):
-            self._consider(name, listed.get(name, 0), name in explicit)
+        gen = self._gen
+        for name in [n for n, e in self._refused.items() if _gen(e) != gen]:
+            del self._refused[name]
+        for name in [n for n in self._messages if n not in self._refused]:
+            del self._messages[name]
+        todo.extend((n, 0) for n in explicit - self.targets.keys() - {n for n, _ in todo})
+        for name, ino in sorted(todo, key=lambda t: (t[0] not in explicit, t[0])):
+            self._consider(name, ino, name in explicit)
 
     def _junk(self) -> Target | None:
         """The target admitted longest ago that has never been up (dead, empty or corrupt
@@ -597,32 +688,42 @@ class TargetSet:
         never_up = [t for t in self.targets.values() if not t.ever_up and not t.explicit]
         return min(never_up, key=lambda t: t.admitted_mono) if never_up else None
 
-    def _consider(self, name: str, ino: int, explicit: bool) -> None:
+    def _screen(self, name: str, ino: int) -> int | None:
+        """What an lstat says of a discovered file: None if that settles it (refused now,
+        refused before and unchanged, or vanished), else its _file_key (0: no lstat)."""
+        try:
+            st = os.lstat(self.shm_dir + "/" + name)
+        except FileNotFoundError:
+            self._refuse(name, "vanished")
+            return None
+        except OSError:
+            return 0
         entry = self._refused.get(name)
+        if entry is None and len(self._refused) >= self.max_refused:
+            # No room to remember it: refused again at each listing, so keep this cheap.
+            if self._classify(st) is None:
+                return _file_key(st)
+            self._overflow += 1
+            return None
+        key = _file_key(st)
+        if entry is not None and _key(entry) == key and _reason(entry) != "max_targets":
+            self._refused[name] = _pack(ino, key, _reason(entry), _uid(entry), self._gen)
+            return None  # unchanged since it was refused
+        reason = self._classify(st)
+        if reason is None:
+            return key
+        # A directory is not a FIFO or a device: say what it is (rare: kept).
+        why = f"{self.shm_dir}/{name} is a directory: refused" if stat.S_ISDIR(st.st_mode) else None
+        self._refuse(name, reason, ino, key, why, uid=st.st_uid)
+        return None
+
+    def _consider(self, name: str, ino: int, explicit: bool) -> None:
         key = 0
         if not explicit:
-            try:
-                st = os.lstat(self.shm_dir + "/" + name)
-            except FileNotFoundError:
-                self._refuse(name, "vanished")
+            screened = self._screen(name, ino)
+            if screened is None:
                 return
-            except OSError:
-                st = None
-            if st is not None:
-                key = hash((st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns, st.st_size))
-                if entry is not None and entry.key == key and entry.reason != "max_targets":
-                    entry.ino = ino
-                    return  # unchanged since it was refused
-                reason = self._classify(st)
-                if reason is not None:
-                    # A directory is not a FIFO or a device: say what it is (rare: kept).
-                    why = (
-                        f"{self.shm_dir}/{name} is a directory: refused"
-                        if stat.S_ISDIR(st.st_mode)
-                        else None
-                    )
-                    self._refuse(name, reason, ino, key, why, uid=st.st_uid)
-                    return
+            key = screened
         full = not explicit and len(self.targets) >= self.max_targets
         if full and self._junk() is None:
             self._refuse(name, "max_targets", ino, key)
@@ -727,11 +828,20 @@ class TargetSet:
         uid: int = -1,
     ) -> None:
         """Count a refusal; with ino, remember the file so it is not looked at again.
-        A file refused again for the same reason (same inode) is not counted again."""
+        A file refused again for the same reason (same inode) is not counted again. With
+        MAX_REFUSED files remembered, a new one is neither remembered nor counted (it is
+        refused again at each listing: counting it each time would overstate)."""
         old = self._refused.get(name)
         if ino is not None:
-            self._refused[name] = _Refused(ino, key, reason, message, uid)
-            if old is not None and old.ino == ino and old.reason == reason:
+            if old is None and len(self._refused) >= self.max_refused:
+                self._overflow += 1  # _screen's shortcut does the same
+                return
+            self._refused[name] = _pack(ino, key, reason, uid, self._gen)
+            if message is None:
+                self._messages.pop(name, None)
+            else:
+                self._messages[name] = message
+            if old is not None and _ino(old) == ino and _reason(old) == reason:
                 return
         self.refusals_total = _bump(self.refusals_total, reason)
         self._pending[reason] = self._pending.get(reason, 0) + 1
@@ -740,14 +850,26 @@ class TargetSet:
 
     def _flush_summary(self, now: float) -> None:
         """One log line per interval for every refusal since the last one."""
-        if not self._pending or now - self._last_summary < self.summary_interval:
+        if not self.unremembered:
+            self._unremembered_logged = 0
+        more = self.unremembered and self.unremembered != self._unremembered_logged
+        if not (self._pending or more) or now - self._last_summary < self.summary_interval:
             return
         if self.summary_interval == float("inf"):
             return  # dump/ls list the refusals themselves: no second copy in a log line
-        total = sum(self._pending.values())
-        kinds = ", ".join(f"{n} {r}" for r, n in sorted(self._pending.items()))
-        example = self._pending_example
-        log.warning("refused %d file(s) in %s (%s); e.g. %s", total, self.shm_dir, kinds, example)
+        if self._pending:
+            total = sum(self._pending.values())
+            kinds = ", ".join(f"{n} {r}" for r, n in sorted(self._pending.items()))
+            example = self._pending_example
+            log.warning("refused %d file(s) in %s (%s); e.g. %s", total, self.shm_dir, kinds,
+                        example)  # fmt: skip
+        if more:
+            log.warning(
+                "%d more refused file(s) in %s beyond the %d remembered: refused again at each "
+                "listing, not counted in kvsidecar_segment_refusals_total",
+                self.unremembered, self.shm_dir, self.max_refused,
+            )  # fmt: skip
+        self._unremembered_logged = self.unremembered
         self._pending, self._pending_example = {}, ""
         self._last_summary = now
 
