@@ -204,8 +204,10 @@ def run_fdlimit(*, quick: bool = False, probes: int = 4) -> dict[str, Any]:
     new = segment_name(SEGMENTS)
     pids = [fork_writers(shm_dir, names)]
     # 256 realistic ranks export ~3.3 MiB together, above the default aggregate budget.
+    # 257 new names at once: above --max-new-targets' default burst of 64 (admission.py).
     fast = ("--poll-interval", "0.5", "--rediscover-interval", "0.5",
-            "--max-exposition-bytes", str(16 << 20))  # fmt: skip
+            "--max-exposition-bytes", str(16 << 20),
+            "--max-new-targets", str(SEGMENTS + 4))  # fmt: skip
     try:
         with limited_daemon(shm_dir, *fast, "--max-targets", str(SEGMENTS + 4)) as (d, _, port):
             deadline = time.monotonic() + 60
