@@ -49,7 +49,7 @@ MAX_PENDING = 512  # queued checks beyond this are refused at once (429)
 # race against an attacker retrying at once, while a deadline gives every waiter the
 # same chance. Below Prometheus' default 10 s scrape timeout, so the scraper reads the
 # answer, either way, and a login queued behind the whole flood (FIFO: N checks) is
-# served in time only while N < rate x 10 s; here a share of it gets in at any N.
+# served in time only while N < rate x 10 s; here a share gets in up to PER_ADDRESS.
 AUTH_WAIT_S = 8.0
 PER_ADDRESS = MAX_PENDING // 2  # checks of one address, per class, waiting or running
 CROWDED_WAIT_S = 0.2  # beyond PER_ADDRESS: look again after this, then 429
