@@ -41,6 +41,7 @@ import hashlib
 import logging
 import operator
 import os
+import stat
 import threading
 import time
 import weakref
@@ -155,6 +156,27 @@ def _setting(value, env: Mapping[str, str], setting: settings.Setting, default=N
 def _int_env(raw: object) -> int:
     # Environment values are strings: int("3"); arguments go through _count.
     return _count(int(raw)) if isinstance(raw, str) else _count(raw)
+
+
+def _warn_if_open(directory: str) -> None:
+    """One warning, at segment creation, when ``directory`` is writable by every user
+    without the sticky bit: `kvsidecar serve` refuses to read such a directory (anyone
+    could delete or replace the live segment), so the engine would go unmonitored with
+    nothing said on its side. Never raises."""
+    try:
+        mode = stat.S_IMODE(os.stat(directory).st_mode)
+        if mode & stat.S_IWOTH and not mode & stat.S_ISVTX:
+            fix = f"chmod 0750 {directory}"
+            if os.path.abspath(directory) == DEFAULT_SHM_DIR:
+                fix += " (or remove it: the agent creates it 0750)"
+            log.warning(
+                "kvsidecar: segment directory %s is writable by every user (mode %04o, not "
+                "sticky): kvsidecar serve refuses to read it, so this engine is not "
+                "monitored; %s",
+                directory, mode, fix,
+            )  # fmt: skip
+    except Exception as e:  # a warning must never cost the engine anything
+        log.debug("kvsidecar: could not check %s: %r", directory, e)
 
 
 class KVSidecarAgent:
@@ -272,6 +294,8 @@ class KVSidecarAgent:
             self._writer = SegmentWriter(self.segment_name, shm_dir=self.shm_dir, group=group)
         except Exception as e:  # never into the engine: disable and say why, once
             self._disable(str(e))
+            return
+        _warn_if_open(self.shm_dir)
 
     def register_pool(self, source: PoolSource) -> bool:
         """Publish this pool every step (our KVBlockPool, or an adapter over an engine's).

@@ -9,6 +9,16 @@ client can buy a core's worth of work per request. The controls:
 * At most `BCRYPT_WORKERS` bcrypt checks run at once (CPU stays bounded: the engine
   shares the host), handed out by `AuthGate`: connections that already failed wait
   until nobody else does, and round-robin per client address within each class.
+* A check waits at most `AUTH_WAIT_S` for its turn, then is refused (429): a flood of
+  first attempts from the scraper's own address, which nothing can tell from the
+  scraper's, makes the queue "the last few seconds of arrivals", not "all of them":
+  the scraper is served within that time or told so, never queued behind the whole
+  flood. Each of N such waiters is served with a chance of about
+  min(1, checks per second x `AUTH_WAIT_S` / N) (docs/security.md).
+* One address holds at most `PER_ADDRESS` checks of each class (waiting or running);
+  beyond that a check is refused too (within `CROWDED_WAIT_S`): one address cannot
+  fill the queue every other address shares. (A connection has one check at most:
+  it is answered before its next request is read.)
 * Unknown users are checked against a dummy hash whose cost is that of a configured
   user, chosen by a keyed hash of the name: a user is indistinguishable from a
   non-user by timing even when users have different costs.
@@ -31,10 +41,18 @@ import bcrypt
 
 from kvsidecar.web.fair import FairGate, Refused
 
-__all__ = ["BCRYPT_WORKERS", "AuthGate", "BasicAuth", "hash_cost"]
+__all__ = ["AUTH_WAIT_S", "BCRYPT_WORKERS", "PER_ADDRESS", "AuthGate", "BasicAuth", "hash_cost"]
 
 BCRYPT_WORKERS = 1  # bcrypt checks at once, for the whole process
 MAX_PENDING = 512  # queued checks beyond this are refused at once (429)
+# Expire the oldest, not refuse the newest: a newcomer refused at a full queue loses a
+# race against an attacker retrying at once, while a deadline gives every waiter the
+# same chance. Below Prometheus' default 10 s scrape timeout, so the scraper reads the
+# answer, either way, and a login queued behind the whole flood (FIFO: N checks) is
+# served in time only while N < rate x 10 s; here a share gets in up to PER_ADDRESS.
+AUTH_WAIT_S = 8.0
+PER_ADDRESS = MAX_PENDING // 2  # checks of one address, per class, waiting or running
+CROWDED_WAIT_S = 0.2  # beyond PER_ADDRESS: look again after this, then 429
 
 
 def hash_cost(hashed: str | bytes) -> int:
@@ -157,12 +175,28 @@ class AuthGate:
     no other check is waiting, so a flood over keep-alive connections cannot delay a
     scraper's first login by more than the check in progress; within each class every
     client key (address) takes its turn in a round. A check whose client has hung up by
-    the time its turn comes is skipped: nobody would read its answer.
+    the time its turn comes is skipped: nobody would read its answer. A check that got
+    no turn within ``wait_s`` is refused, and so is one beyond ``per_key`` checks of
+    its key and class; before refusing the latter (after `CROWDED_WAIT_S`),
+    the key's waiters whose clients have left are cancelled (their connection is over),
+    so connect-send-close requests cannot hold the key's places either.
     """
 
-    def __init__(self, workers: int = BCRYPT_WORKERS, max_pending: int = MAX_PENDING) -> None:
+    def __init__(
+        self,
+        workers: int = BCRYPT_WORKERS,
+        max_pending: int = MAX_PENDING,
+        per_key: int = PER_ADDRESS,
+        crowded_wait_s: float = CROWDED_WAIT_S,
+        wait_s: float | None = None,
+    ) -> None:
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, "kvsidecar-auth")
         self._gate = FairGate(workers, max_pending)
+        self.per_key = per_key
+        self.crowded_wait_s = crowded_wait_s
+        self.wait_s = AUTH_WAIT_S if wait_s is None else wait_s  # read now: tests lower it
+        # (key, suspect) -> its checks: the task and its gone(); None once running.
+        self._held: dict[tuple[str, bool], dict[asyncio.Task, Callable[[], bool] | None]] = {}
 
     async def run(
         self,
@@ -171,15 +205,39 @@ class AuthGate:
         suspect: bool = False,
         gone: Callable[[], bool] = lambda: False,
     ) -> bool | None:
-        """fn's result, None when too many checks are already waiting, False without
-        running fn when ``gone()`` says the client left while it waited."""
+        """fn's result; None when too many checks are already waiting (in all, or of
+        this key and class) or no turn came within ``wait_s``; False without running fn
+        when ``gone()`` says the client left while it waited."""
+        slot = (key, suspect)
+        held = self._held.setdefault(slot, {})
+        if len(held) >= self.per_key:
+            # A hang-up is seen a loop turn or more after the request: give the ones
+            # just sent time to show (the client waits this long for a 401 anyway).
+            await asyncio.sleep(self.crowded_wait_s)
+            if gone():
+                return False
+            held = self._held.setdefault(slot, {})
+            for task, left in list(held.items()):
+                if left is not None and left():
+                    del held[task]
+                    task.cancel()
+            if len(held) >= self.per_key:
+                return None
+        me = asyncio.current_task()
+        assert me is not None
+        held[me] = gone
         try:
-            async with self._gate.turn(key, suspect):
+            async with self._gate.turn(key, suspect, self.wait_s):
                 if gone():
                     return False
+                held[me] = None  # running: the thread cannot be stopped, it stays counted
                 return await asyncio.get_running_loop().run_in_executor(self._pool, fn)
         except Refused:
             return None
+        finally:
+            held.pop(me, None)
+            if not held and self._held.get(slot) is held:
+                del self._held[slot]
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

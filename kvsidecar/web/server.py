@@ -483,6 +483,7 @@ class _Front:
             and (verdict := await self._authorized(conn, state, request)) is not True
         ):
             if verdict is None:
+                headers["Retry-After"] = "1"
                 status, body = 429, b"429 too many authentication attempts, try again later\n"
             else:
                 if request.header("authorization"):
