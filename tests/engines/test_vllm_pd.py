@@ -372,13 +372,14 @@ def test_never_pulled_kv_is_held_to_the_lease_counted_as_expired_and_alerts(pair
             len({b for g in p["remote_block_ids"] for b in g}) for p in ps
         )
 
-    # Repeated (another lease) only if a host stall left the alert's recording with a hole.
+    # Repeated (another lease, up to 3 in all) only while a host stall left the alert's
+    # recording with a hole: stalls of 7-11 s that freeze every process on the host, an
+    # unrelated watcher too, were seen in 3 of 7 recordings on this VM (2026-12-01).
     runs = [expiry_scenario(pair, proxy, tmp_path, start_hold, "decode never called")]
-    if not runs[0]["alert_judged"]:
-        runs.append(
-            expiry_scenario(pair, proxy, tmp_path, start_hold, "decode never called, again")
-        )
-    assert runs[-1]["alert_judged"], f"the host stalled in both recordings: {runs}"
+    while not runs[-1]["alert_judged"] and len(runs) < 3:
+        what = f"decode never called, #{len(runs) + 1}"
+        runs.append(expiry_scenario(pair, proxy, tmp_path, start_hold, what))
+    assert runs[-1]["alert_judged"], f"the host stalled in all {len(runs)} recordings: {runs}"
     status, out = via_proxy(pair, 30)  # the pair still serves afterwards
     assert status == 200, out
 
