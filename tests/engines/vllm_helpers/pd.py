@@ -86,6 +86,11 @@ class Pair:
         self.log = open(workdir / "run.sh.out", "w+")
         env = {**os.environ}
         env.pop("VIRTUAL_ENV", None)
+        # OpenMP threads sleep instead of spinning between steps: a held request makes
+        # prefill step empty as fast as it can, which with spinning threads pegged both
+        # vCPUs (1.97 cores), and this microVM then froze every process for 6-11 s, in 3 of
+        # 3 CI recordings (2026-12-01). Passive: 1.65-1.89 cores, 3 of 3 recordings judged.
+        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
