@@ -310,6 +310,17 @@ def serve(
         admission=Admission(max_new_targets, new_target_interval),
     )
     raise_fd_limit()  # every HTTP connection is an fd: 1,000 of them need more than 1,024
+    # Before anything answers from outside: a SIGTERM that follows the first answered probe
+    # must shut down cleanly, not find the default action (exit -15, nothing flushed).
+    stopping = StopFlag()
+    received: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     stats = HTTPStats()
     daemon = Daemon(
         targets,
@@ -353,15 +364,6 @@ def serve(
         shm_dir,
         prefix,
     )
-    stopping = StopFlag()
-    received: list[int] = []
-
-    def stop(signum: int, _frame: object) -> None:
-        received.append(signum)
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     while not stopping.wait(0.2):
         if hangups:
             hangups.clear()
