@@ -81,8 +81,11 @@ start() {  # name, then the command; its pid (= its process group) goes to $work
   echo $! >"$workdir/$name.pid"
 }
 
-vllm_server() {  # name, kv_role, port, NIXL side-channel port, core for its OpenMP threads
+# OMP_WAIT_POLICY=PASSIVE: waiting OpenMP threads sleep; a prefill holding KV for decode steps
+# empty batches nonstop, and spinning threads would take the rest of its cores.
+vllm_server() {  # name, kv_role, port, NIXL side-channel port, cores for its OpenMP threads
   start "$1" env KVSIDECAR_SHM_DIR="$shm" HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 \
+    OMP_WAIT_POLICY="${OMP_WAIT_POLICY:-PASSIVE}" \
     VLLM_NO_USAGE_STATS=1 DO_NOT_TRACK=1 VLLM_TARGET_DEVICE=cpu VLLM_CPU_KVCACHE_SPACE=1 \
     VLLM_CACHE_ROOT="$workdir/vllm-cache" VLLM_NIXL_SIDE_CHANNEL_HOST=127.0.0.1 \
     VLLM_NIXL_SIDE_CHANNEL_PORT="$4" VLLM_CPU_OMP_THREADS_BIND="$5" \
@@ -94,9 +97,16 @@ vllm_server() {  # name, kv_role, port, NIXL side-channel port, core for its Ope
 }
 
 REPO=$(pwd)
-# Distinct cores for the two servers' OpenMP threads (one core: both on 0).
-vllm_server prefill kv_producer "$prefill_port" "$side_port" 0
-vllm_server decode kv_consumer "$decode_port" $((side_port + 1)) $(($(nproc) > 1 ? 1 : 0))
+# Each server gets its own half of the cores (one core: both share core 0). Their OpenMP
+# threads are bound there from the start; every other thread is moved there once the server
+# answers, see pin_server below.
+ncpu=$(nproc)
+half=$((ncpu > 1 ? ncpu / 2 : 1))
+span() { if [ "$1" -eq "$2" ]; then echo "$1"; else echo "$1-$2"; fi; }
+prefill_cores=$(span 0 $((half - 1)))
+decode_cores=$(span $((ncpu > 1 ? half : 0)) $((ncpu - 1)))
+vllm_server prefill kv_producer "$prefill_port" "$side_port" "$prefill_cores"
+vllm_server decode kv_consumer "$decode_port" $((side_port + 1)) "$decode_cores"
 start serve "$REPO/.engine-envs/vllm/bin/kvsidecar" serve --shm-dir "$shm" \
   --web.listen-address "127.0.0.1:$metrics_port" --poll-interval 0.1
 start proxy "$REPO/$py" "$REPO/deploy/vllm-pd/proxy.py" --port "$proxy_port" \
@@ -106,6 +116,23 @@ start proxy "$REPO/$py" "$REPO/deploy/vllm-pd/proxy.py" --port "$proxy_port" \
 healthy() {
   "$py" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" \
     2>/dev/null
+}
+# vLLM's NIXL connector pins each CPU worker's model thread to the host's last core (it
+# reserves that core for KV transfer, one server per host), so on a small host both model
+# threads land there beside decode's NIXL progress thread, which busy-polls. On a 2-vCPU
+# microVM a prefill holding KV for decode then froze every process for 2-28 s in 4 of 6
+# holds, and decode, starved, let the first completions wait out the lease (2026-12-01);
+# with the servers kept apart, 0 of 10 holds froze.
+pin_server() {  # name, cores: every thread of every process of the server's session
+  [ "$ncpu" -gt 1 ] || return 0
+  if ! command -v taskset >/dev/null; then
+    echo "run.sh: no taskset (util-linux): $1 is not kept on cores $2" >&2
+    return 0
+  fi
+  local pid
+  for pid in $(pgrep -s "$(cat "$workdir/$1.pid")"); do
+    taskset -a -p -c "$2" "$pid" >/dev/null 2>&1 || true
+  done
 }
 echo "run.sh: starting prefill :$prefill_port, decode :$decode_port (logs in $workdir; 1-4 min on 2 cores)"
 deadline=$((SECONDS + timeout))
@@ -126,6 +153,10 @@ for target in prefill:$prefill_port/health decode:$decode_port/health proxy:$pro
     fi
     sleep 1
   done
+  case $name in
+    prefill) pin_server prefill "$prefill_cores" ;;
+    decode) pin_server decode "$decode_cores" ;;
+  esac
 done
 
 echo "run.sh: ready"

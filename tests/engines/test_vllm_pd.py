@@ -14,6 +14,7 @@ Expiry is counted against vLLM's own counter, so a starved decode cannot fail a 
 from __future__ import annotations
 
 import concurrent.futures
+import os
 import statistics
 import time
 
@@ -122,6 +123,23 @@ def assert_all_free(pair, what: str) -> None:
     s = prefill_state(pair)
     assert (s["deferred_free_blocks"], s["oldest_deferred_free_age_seconds"]) == (0, 0), s
     assert s["requests_deferred"] == 0 and s["vllm_usage"] == 0, (what, s)
+
+
+def test_each_server_runs_on_its_own_cores(pair):
+    """run.sh keeps every thread of each server on that server's half of the cores. vLLM's
+    NIXL connector pins each CPU worker's model thread to the host's last core, so without
+    run.sh's placement prefill's model thread shares decode's core (with decode's busy-polling
+    NIXL progress thread), and a held request froze this 2-vCPU microVM for seconds."""
+    if os.cpu_count() < 2:
+        pytest.skip("one core: both servers share it by design")
+    cores = {side: pd.server_cores(pair, side) for side in ("prefill", "decode")}
+    for side, per_thread in cores.items():
+        assert per_thread, f"no threads found for {side}"
+    prefill = set().union(*cores["prefill"].values())
+    decode = set().union(*cores["decode"].values())
+    shared = {tid: allowed for tid, allowed in cores["prefill"].items() if allowed & decode}
+    assert not prefill & decode, f"prefill threads allowed on decode's cores {decode}: {shared}"
+    assert prefill | decode == set(range(os.cpu_count())), (prefill, decode)
 
 
 @pytest.mark.timeout(900)
@@ -380,14 +398,22 @@ def test_never_pulled_kv_is_held_to_the_lease_counted_as_expired_and_alerts(pair
     addr = ("127.0.0.1", pair.ports["prefill"])
 
     def start_hold():
-        ps = [proxy.prefill(addr, "/v1/completions", body(20 + i), f"never-{i}") for i in (0, 1)]
+        # Both at once, so both are held together even when one call returns late.
+        with concurrent.futures.ThreadPoolExecutor(2) as ex:
+            ps = list(
+                ex.map(
+                    lambda i: proxy.prefill(addr, "/v1/completions", body(20 + i), f"never-{i}"),
+                    (0, 1),
+                )
+            )
         return [p["remote_request_id"] for p in ps], sum(
             len({b for g in p["remote_block_ids"] for b in g}) for p in ps
         )
 
     # Repeated (another lease, up to 3 in all) only while a host stall left the alert's
-    # recording with a hole: stalls of 7-11 s that freeze every process on the host, an
-    # unrelated watcher too, were seen in 3 of 7 recordings on this VM (2026-12-01).
+    # recording with a hole: stalls of 7-11 s that froze every process on this VM, an
+    # unrelated watcher too, hit 3 of 7 recordings (2026-12-01) until run.sh kept the two
+    # servers on their own cores (docs/reliability.md, "The P/D pair's core placement").
     runs = [expiry_scenario(pair, proxy, tmp_path, start_hold, "decode never called")]
     while not runs[-1]["alert_judged"] and len(runs) < 3:
         what = f"decode never called, #{len(runs) + 1}"

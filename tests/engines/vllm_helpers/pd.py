@@ -86,11 +86,6 @@ class Pair:
         self.log = open(workdir / "run.sh.out", "w+")
         env = {**os.environ}
         env.pop("VIRTUAL_ENV", None)
-        # OpenMP threads sleep instead of spinning between steps: a held request makes
-        # prefill step empty as fast as it can, which with spinning threads pegged both
-        # vCPUs (1.97 cores), and this microVM then froze every process for 6-11 s, in 3 of
-        # 3 CI recordings (2026-12-01). Passive: 1.65-1.89 cores, 3 of 3 recordings judged.
-        env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
         t0 = time.monotonic()
         self.proc = subprocess.Popen(
             cmd, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True, env=env
@@ -283,3 +278,30 @@ def promtool_alert_times(
             assert "alertname: " + ALERT in out and "got:" in out, out
             firing[i] = True
     return firing
+
+
+def server_cores(pair: Pair, side: str) -> dict[str, set[int]]:
+    """The cores each thread of one server's session may run on ("pid/tid" -> cores), from
+    /proc: every process whose session is the one run.sh started for that server."""
+    sid = pair.pid(side)
+    out: dict[str, set[int]] = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+            if int(stat.rsplit(")", 1)[1].split()[3]) != sid:  # field 6: session id
+                continue
+            for tid in os.listdir(f"/proc/{pid}/task"):
+                status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
+                (line,) = [x for x in status.splitlines() if x.startswith("Cpus_allowed_list:")]
+                out[f"{pid}/{tid}"] = _cpu_list(line.split(":", 1)[1].strip())
+        except (FileNotFoundError, ProcessLookupError):
+            continue  # a thread or process that ended while it was read
+    return out
+
+
+def _cpu_list(text: str) -> set[int]:
+    cores: set[int] = set()
+    for part in text.split(","):
+        lo, _, hi = part.partition("-")
+        cores.update(range(int(lo), int(hi or lo) + 1))
+    return cores
