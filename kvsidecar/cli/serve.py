@@ -276,19 +276,31 @@ def serve(
     # (the default action would kill it). Handled in the main loop: a reload takes locks.
     hangups: list[int] = []
     signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
+    # First of all: a SIGTERM during start-up must stop it (with --hold-on-error too, where a
+    # start error then exits at once), and one that follows the first answered probe must
+    # shut down cleanly, not find the default action (exit -15, nothing flushed).
+    stopping = StopFlag()
+    received: list[int] = []
+
+    def stop(signum: int, _frame: object) -> None:
+        received.append(signum)
+        stopping.set()
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
     # A missing default directory only means no engine has started yet (the agent creates
     # it): serve and wait, as under systemd at boot. Any other missing directory is a typo.
     try:
         require_dir(shm_dir)
     except SystemExit as e:
-        _exit(e.code if isinstance(e.code, int) else EXIT_USAGE, hold_on_error)
+        _exit(e.code if isinstance(e.code, int) else EXIT_USAGE, hold_on_error, stopping)
     # Env twins of repeatable flags are space-separated (click splits them).
     addresses = [a for item in listen_addresses for a in item.split()]
     try:
         web_config = load_web_config(web_config_file) if web_config_file else None
     except WebConfigError as e:
         click.echo(f"kvsidecar: {e}", err=True)
-        _exit(EXIT_USAGE, hold_on_error)
+        _exit(EXIT_USAGE, hold_on_error, stopping)
     allowed = allowed_uids(allow_uids, allow_any_uid)
     targets = TargetSet(
         shm_dir,
@@ -310,17 +322,6 @@ def serve(
         admission=Admission(max_new_targets, new_target_interval),
     )
     raise_fd_limit()  # every HTTP connection is an fd: 1,000 of them need more than 1,024
-    # Before anything answers from outside: a SIGTERM that follows the first answered probe
-    # must shut down cleanly, not find the default action (exit -15, nothing flushed).
-    stopping = StopFlag()
-    received: list[int] = []
-
-    def stop(signum: int, _frame: object) -> None:
-        received.append(signum)
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
     stats = HTTPStats()
     daemon = Daemon(
         targets,
@@ -351,7 +352,7 @@ def serve(
                 f"e.g. :{_suggest(addresses)}"
             )
         click.echo(f"kvsidecar: cannot listen on {' '.join(addresses)}: {why}", err=True)
-        _exit(EXIT_USAGE, hold_on_error)
+        _exit(EXIT_USAGE, hold_on_error, stopping)
     targets.poll_all()
     targets.start()
     scheme = "https" if server.tls else "http"
@@ -374,15 +375,13 @@ def serve(
     targets.stop()
 
 
-def _exit(code: int, hold: bool) -> None:
-    """Exit with ``code`` now, or with --hold-on-error once SIGTERM/SIGINT arrives: the
-    error is already on stderr, and a process that stays up keeps a Kubernetes sidecar
-    "started" and ready, so the engine starts and keeps serving (docs/operations.md)."""
-    if hold:
+def _exit(code: int, hold: bool, stopping: StopFlag) -> None:
+    """Exit with ``code`` now, or with --hold-on-error once SIGTERM/SIGINT arrives (set
+    ``stopping``; one that came during start-up counts): the error is already on stderr, and
+    a process that stays up keeps a Kubernetes sidecar "started" and ready, so the engine
+    starts and keeps serving (docs/operations.md)."""
+    if hold and not stopping.is_set():
         click.echo("kvsidecar: --hold-on-error: staying up, not serving, until SIGTERM", err=True)
-        stopping = StopFlag()
-        for sig in (signal.SIGTERM, signal.SIGINT):
-            signal.signal(sig, lambda _signum, _frame: stopping.set())
         while not stopping.wait(1.0):
             pass
     sys.exit(code)

@@ -68,3 +68,65 @@ def test_start_error_holds_until_sigterm(
             held.kill()
             held.wait()
         busy_port.close()
+
+
+# write(2)'s syscall number: /proc/PID/syscall shows it while the process blocks in it.
+WRITE_SYSCALL = {"x86_64": "1", "aarch64": "64"}
+
+
+def test_sigterm_during_start_is_not_lost(tmp_path: Path, busy_port: socket.socket) -> None:
+    """A SIGTERM that arrives while start-up is still going, before the start error, stops
+    the held process too: it exits with the error's code instead of waiting for a second
+    SIGTERM that the kubelet will not send. The start is held at a known point by handing
+    the daemon a full stderr pipe: it blocks writing the "cannot listen" error."""
+    import platform
+
+    write_nr = WRITE_SYSCALL.get(platform.machine())
+    if write_nr is None:
+        pytest.skip(f"write(2)'s syscall number on {platform.machine()} is not listed here")
+    port = busy_port.getsockname()[1]
+    r, w = os.pipe()
+    os.set_blocking(w, False)
+    try:
+        while True:
+            os.write(w, b"x" * 4096)  # fill the pipe: the daemon's first stderr write blocks
+    except BlockingIOError:
+        pass
+    os.set_blocking(w, True)
+    env = {**os.environ, "KVSIDECAR_HOLD_ON_ERROR": "true"}
+    argv = [sys.executable, "-m", "kvsidecar", "serve", "--shm-dir", str(tmp_path)]
+    held = subprocess.Popen(
+        [*argv, "--web.listen-address", f"127.0.0.1:{port}"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=w,
+    )
+    os.close(w)
+    try:
+        deadline = time.monotonic() + 60
+        while Path(f"/proc/{held.pid}/syscall").read_text().split()[:2] != [write_nr, "0x2"]:
+            assert held.poll() is None, f"exited with {held.returncode} before writing"
+            assert time.monotonic() < deadline, "never blocked writing its start error"
+            time.sleep(0.05)
+        held.send_signal(signal.SIGTERM)
+        time.sleep(0.5)  # the handler runs now, inside the interrupted write
+        drained = b""
+        os.set_blocking(r, False)
+        end = time.monotonic() + 30
+        while held.poll() is None and time.monotonic() < end:
+            try:
+                drained += os.read(r, 65536)
+            except BlockingIOError:
+                time.sleep(0.05)
+        assert held.poll() == EXIT_USAGE, (
+            f"still up 30 s after a SIGTERM received during start-up (returncode "
+            f"{held.returncode}): it waits for a second one"
+        )
+        err = drained.decode(errors="replace")
+        assert "cannot listen" in err and "staying up" not in err, err[-500:]
+    finally:
+        if held.poll() is None:
+            held.kill()
+            held.wait()
+        os.close(r)
+        busy_port.close()
