@@ -138,19 +138,25 @@ class Pair:
     def log_text(self, name: str) -> str:
         return (self.workdir / f"{name}.log").read_text(errors="replace")
 
-    def cpu_seconds(self, name: str) -> float:
-        """CPU time (user + system) of every live process of one server's process group."""
-        pgid, tick, total = self.pid(name), os.sysconf("SC_CLK_TCK"), 0.0
-        for entry in os.listdir("/proc"):
-            if not entry.isdigit():
-                continue
+    def processes(self, name: str) -> dict[str, list[str]]:
+        """Every live process of one server's process group: pid -> its /proc stat fields
+        from field 3 (state) on, after pid and (comm)."""
+        pgid, out = self.pid(name), {}
+        for entry in filter(str.isdigit, os.listdir("/proc")):
             try:
                 fields = Path(f"/proc/{entry}/stat").read_text().rsplit(")", 1)[1].split()
             except OSError:
                 continue
-            if int(fields[2]) == pgid:  # field 5 (pgrp), after pid and (comm)
-                total += (int(fields[11]) + int(fields[12])) / tick  # utime, stime
-        return total
+            if int(fields[2]) == pgid:  # field 5 (pgrp)
+                out[entry] = fields
+        return out
+
+    def cpu_seconds(self, name: str) -> float:
+        """CPU time (user + system) of every live process of one server's process group."""
+        tick = os.sysconf("SC_CLK_TCK")
+        return sum(
+            (int(f[11]) + int(f[12])) / tick for f in self.processes(name).values()
+        )  # utime, stime
 
     def kill(self, name: str) -> None:
         """SIGKILL one server's whole process group (API server and engine core)."""
@@ -281,15 +287,10 @@ def promtool_alert_times(
 
 
 def server_cores(pair: Pair, side: str) -> dict[str, set[int]]:
-    """The cores each thread of one server's session may run on ("pid/tid" -> cores), from
-    /proc: every process whose session is the one run.sh started for that server."""
-    sid = pair.pid(side)
+    """The cores each thread of one server may run on ("pid/tid" -> cores), from /proc."""
     out: dict[str, set[int]] = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
+    for pid in pair.processes(side):
         try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-            if int(stat.rsplit(")", 1)[1].split()[3]) != sid:  # field 6: session id
-                continue
             for tid in os.listdir(f"/proc/{pid}/task"):
                 status = Path(f"/proc/{pid}/task/{tid}/status").read_text()
                 (line,) = [x for x in status.splitlines() if x.startswith("Cpus_allowed_list:")]
