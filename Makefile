@@ -6,7 +6,7 @@ BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-stamp
 PIP_FLAGS ?= -q --disable-pip-version-check
 
-.PHONY: run test test-py313 lint bench bench-quick fuzz soak clean venv dist vllm-check gpu-check
+.PHONY: run test test-py313 lint bench bench-quick fuzz soak clean venv dist vllm-check gpu-check gpu-wheels
 
 RUN_STAMP := $(VENV)/.run-stamp
 
@@ -89,3 +89,8 @@ vllm-check: $(STAMP)
 # bench publish/agent/cost on cuda; without CUDA, a dry run (docs/benchmarks.md, "GPU").
 gpu-check:
 	bash .ci/gpu-check
+
+# For a GPU machine with no network: the cp312 wheels gpu-check installs there, into
+# gpu-wheels/ (then, there: WHEELS=gpu-wheels make gpu-check).
+gpu-wheels:
+	bash .ci/gpu-wheels

@@ -42,13 +42,13 @@ import logging
 import operator
 import os
 import stat
-import threading
 import time
 import weakref
 from collections.abc import Mapping
 
 from kvsidecar import settings
 from kvsidecar.agent.adapters import PoolSource
+from kvsidecar.agent.heartbeat import IdleHeartbeat
 from kvsidecar.agent.pool import DeferredRequests, DeviceMemorySampler, default_device
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR, default_segment_name
@@ -98,16 +98,26 @@ LABEL_MAX = MAX_LABEL_LENGTH  # a default daemon's --max-label-length
 _MARK = "\u2026"  # the marker of a shortened string: "…"
 
 
+def _utf8(text: str) -> bytes:
+    return text.encode("utf-8", "surrogatepass")
+
+
 def shorten(text: str, limit: int = LABEL_MAX) -> str:
-    """``text`` if it fits, else its head and tail around a marker and a hash of the whole
-    (an honest 300-character model path stays recognisable and distinct)."""
-    if len(text) <= limit:
+    """``text`` if it fits in ``limit`` UTF-8 bytes (what the daemon counts), else its head
+    and tail around a marker and a hash of the whole (an honest 300-character model path
+    stays recognisable and distinct)."""
+    raw = _utf8(text)
+    if len(raw) <= limit:
         return text
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()[:8]
+    digest = hashlib.sha256(raw).hexdigest()[:8]
     middle = f"{_MARK}{digest}{_MARK}"
-    head = (limit - len(middle)) * 2 // 5  # paths tell most at their end
-    tail = limit - len(middle) - head
-    return f"{text[:head]}{middle}{text[len(text) - tail :]}"
+    room = limit - len(_utf8(middle))
+    head = room * 2 // 5  # paths tell most at their end
+    tail = room - head
+    # Cut on bytes; "ignore" drops a character split by the cut (never over the limit).
+    head_text = raw[:head].decode("utf-8", "ignore")
+    tail_text = raw[len(raw) - tail :].decode("utf-8", "ignore")
+    return f"{head_text}{middle}{tail_text}"
 
 
 def _text(value: object) -> str:
@@ -216,9 +226,8 @@ class KVSidecarAgent:
         self._deferred_ids = self._deferred.ids  # read by len() every step
         self._logged: set[str] = set()
         self._partial = -1  # this step left something out: its PUBLISH_ERR_* code
-        self._heartbeat_stop = threading.Event()
+        self._heartbeat: IdleHeartbeat | None = None
         self._memory: DeviceMemorySampler | None = None
-        self._last_step_ns = time.perf_counter_ns()
         self.runtime = RuntimeSnapshot(pid=os.getpid(), start_time=time.time())
         self._snapshot = Snapshot(runtime=self.runtime, pools=[])
         self.shm_dir = DEFAULT_SHM_DIR
@@ -281,7 +290,7 @@ class KVSidecarAgent:
             heartbeat_interval, {}, _HEARTBEAT_ARG, DEFAULT_HEARTBEAT_INTERVAL, cast=float
         )
         if interval and interval > 0 and self._writer is not None:
-            self._start_heartbeat(interval)
+            self._heartbeat = IdleHeartbeat(self._writer, interval)
 
     # -- setup ------------------------------------------------------------------
 
@@ -314,10 +323,10 @@ class KVSidecarAgent:
                 raise TypeError(f"snapshot() returned {type(record).__name__}")
             alias = self._free_name(record)
             published = alias or record.pool_name
-            if not isinstance(published, str) or len(published) > MAX_LABEL_LENGTH:
+            if not isinstance(published, str) or len(_utf8(published)) > MAX_LABEL_LENGTH:
                 raise ValueError(
                     f"pool_name {str(published)[:40]!r}... is over {MAX_LABEL_LENGTH} "
-                    "characters (a default daemon's label budget): give it a shorter name"
+                    "UTF-8 bytes (a default daemon's label budget): give it a shorter name"
                 )
             track = getattr(source, "track_deferred", None)
             tracked = callable(track)
@@ -457,6 +466,8 @@ class KVSidecarAgent:
             if code < 0 and isinstance(e, OSError):
                 # The segment itself is broken (truncated under us): stop touching it.
                 self._writer = None
+                if self._heartbeat is not None:
+                    self._heartbeat.stop(join=False)  # nor may the heartbeat touch it
                 self._disable(str(e))
             else:
                 if code >= 0:
@@ -469,7 +480,8 @@ class KVSidecarAgent:
             pools = self._snapshot.pools
             for i, _, name in self._renamed:  # the sources' own names back (register_pool)
                 pools[i].pool_name = name
-        self._last_step_ns = t0  # for the idle heartbeat: no extra clock read per step
+        if (beat := self._heartbeat) is not None:
+            beat.last_step_ns = t0  # the idle heartbeat's clock: no extra clock read per step
         self.runtime.last_publish_duration_ns = time.perf_counter_ns() - t0
 
     def _count_or(self, value: object, fallback: int | None) -> int | None:
@@ -503,16 +515,6 @@ class KVSidecarAgent:
             except Exception as e:
                 self._log_once("heartbeat", f"kvsidecar heartbeat failed: {e}")
 
-    def _start_heartbeat(self, interval: float) -> None:
-        # Only refreshes when no step happened for `interval`: an idle engine stays fresh.
-        # It also keeps a *hung* engine fresh: pass 0 to detect hangs by age instead.
-        def run() -> None:
-            while not self._heartbeat_stop.wait(interval):
-                if time.perf_counter_ns() - self._last_step_ns >= interval * 1e9:
-                    self.heartbeat()
-
-        threading.Thread(target=run, name="kvsidecar-heartbeat", daemon=True).start()
-
     def _log_once(self, key: str, message: str) -> None:
         if key not in self._logged:
             self._logged.add(key)
@@ -522,7 +524,8 @@ class KVSidecarAgent:
 
     def close(self) -> None:
         """Mark the segment closed and unlink it. Idempotent; never raises."""
-        self._heartbeat_stop.set()
+        if self._heartbeat is not None:
+            self._heartbeat.stop()  # joined: no agent thread outlives close()
         for source, tracked in zip(self._sources, self._tracked):
             if tracked:
                 try:

@@ -216,7 +216,8 @@ class KVBlockPool:
         self._requests: dict[str, _Request] = {}
         self._leases: dict[int, list[int]] = {}
         self._next_lease = 1
-        self._deferred_requests = 0
+        self._deferred_requests = 0  # deferred and holding a block: the published count
+        self._pending = 0  # every deferred request, blockless ones too: none is running
         self._deferred_blocks = 0
         # Deferral start per deferred request, oldest first: the oldest is O(1) to read, and
         # releases in any order are O(1) to remove (an OrderedDict is a linked list).
@@ -733,9 +734,11 @@ class KVBlockPool:
             # Holds no block of this pool: deferred for its connectors, but not counted
             # (schema.md: deferral fields count requests holding blocks of the pool).
             req.pending = pending
+            self._pending += 1
             return True
         if pending:
             req.pending = pending
+            self._pending += 1
             holders = self._deferred_holders
             added = 0
             for b in req.table:
@@ -768,6 +771,7 @@ class KVBlockPool:
         req.pending.remove(connector)  # KeyError: not pending on this connector
         if req.pending:
             return False
+        self._pending -= 1
         if not req.table:
             del self._requests[req_id]
             return True
@@ -848,7 +852,8 @@ class KVBlockPool:
 
     @property
     def num_running(self) -> int:
-        return len(self._requests) - self._deferred_requests
+        """Requests not finished: a deferred one is not running, block or none."""
+        return len(self._requests) - self._pending
 
     @property
     def storage_rows(self) -> int:

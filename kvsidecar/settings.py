@@ -183,6 +183,39 @@ WEB_CONNECTION_MEMORY_BYTES = _s(
     DAEMON,
     flag="--web.connection-memory-bytes",
 )
+GATEWAY_LISTEN_ADDRESS = _s(
+    "GATEWAY_LISTEN_ADDRESS",
+    "str",
+    None,
+    "the gateway endpoint (docs/gateway.md): an endpoint picker's model-server protocol, "
+    "one listener per DP rank from this port up, not for Prometheus (off when unset)",
+    DAEMON,
+    flag="--gateway.listen-address",
+)
+GATEWAY_RANKS = _s(
+    "GATEWAY_RANKS",
+    "int",
+    1,
+    "gateway listeners: DP rank r is served on the gateway port + r",
+    DAEMON,
+    flag="--gateway.ranks",
+)
+GATEWAY_ROLE = _s(
+    "GATEWAY_ROLE",
+    "str",
+    None,
+    "serve only segments of this role (prefill, decode, both) on the gateway",
+    DAEMON,
+    flag="--gateway.role",
+)
+GATEWAY_MAX_CONNECTIONS = _s(
+    "GATEWAY_MAX_CONNECTIONS",
+    "int",
+    256,
+    "open gateway connections, all listeners together; at the cap the one idle longest makes room",
+    DAEMON,
+    flag="--gateway.max-connections",
+)
 ALLOW_UID = _s(
     "ALLOW_UID",
     "list",
@@ -215,7 +248,8 @@ HOLD_ON_ERROR = _s(
     "bool",
     False,
     "on a start-up error, log it and stay up until SIGTERM instead of exiting "
-    "(a Kubernetes sidecar that exits holds the engine back)",
+    "(a Kubernetes sidecar that exits holds the engine back), retrying the start with "
+    "back-off (1 s to 60 s; at once on SIGHUP)",
     DAEMON,
     flag="--hold-on-error",
 )
@@ -249,7 +283,7 @@ MAX_LABEL_LENGTH = _s(
     "int",
     256,
     "per-target budget: longest label value (engine, model_name, role, pool_name, info labels), in"
-    " characters",
+    " UTF-8 bytes",
     DAEMON,
     flag="--max-label-length",
 )
@@ -265,8 +299,8 @@ MAX_EXPOSITION_BYTES = _s(
     "MAX_EXPOSITION_BYTES",
     "int",
     3 * 1024 * 1024,
-    "daemon-wide budget: estimated exposition size of all targets together; above it "
-    "the largest are shed (never the last one)",
+    "daemon-wide budget: estimated exposition size (UTF-8 bytes) of all targets together; "
+    "above it targets are shed, those served longest kept first (one alone over it too)",
     DAEMON,
     flag="--max-exposition-bytes",
 )

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+from pathlib import Path
 
 from tests.conftest import REPO
 
@@ -73,3 +74,22 @@ def test_readme_layout_table_matches_the_tree() -> None:
         assert any(n == want or n.endswith("/" + entry) for n in named), (
             f"kvsidecar/{entry} is not in the README's layout table"
         )
+
+
+def test_no_table_row_or_bullet_is_left_over_from_a_merge() -> None:
+    """A table row repeated in one document, or a bullet list glued to a table's last row,
+    is what a merge leaves (docs/vllm.md had both under "Stopping vLLM")."""
+    problems = []
+    root = Path(REPO)
+    for path in [root / "README.md", *sorted((root / "docs").glob("*.md"))]:
+        lines = path.read_text().splitlines()
+        seen: dict[str, int] = {}
+        for i, line in enumerate(lines, 1):
+            header = i < len(lines) and set(lines[i]) <= set("|-: ") and "-" in lines[i]
+            if line.startswith("|") and not set(line) <= set("|-: ") and not header:
+                if line in seen:
+                    problems.append(f"{path.name}:{i} repeats line {seen[line]}")
+                seen.setdefault(line, i)
+            if line.startswith(("* ", "- ")) and i > 1 and lines[i - 2].startswith("|"):
+                problems.append(f"{path.name}:{i} a bullet right after a table row")
+    assert not problems, problems

@@ -61,9 +61,11 @@ class DeferredFrees(dict):
 
     A plain dict to ATOM (same keys, values, order). Besides, per key the block ids held at
     insert, and per block how many deferred requests hold it: ``blocks`` is the number of
-    distinct physical blocks (shared prefix blocks once), read in O(1). ``oldest_ns`` is
-    the ``CLOCK_MONOTONIC`` time the longest-deferred request was inserted (0: none).
-    Re-setting a key keeps its start time: it has been deferred since then.
+    distinct physical blocks (shared prefix blocks once), read in O(1). ``requests`` counts
+    the keys holding at least one block and ``oldest_ns`` is the ``CLOCK_MONOTONIC`` time
+    the longest-deferred of them was inserted (0: none): an entry holding no block is in
+    the dict but deferred in no count (schema.md). Re-setting a key that holds blocks
+    keeps its start time: it has been deferred since then.
     """
 
     def __init__(self, items: Any = (), clock: Callable[[], int] = time.monotonic_ns) -> None:
@@ -81,6 +83,10 @@ class DeferredFrees(dict):
         return len(self._refs)
 
     @property
+    def requests(self) -> int:
+        return len(self._since)
+
+    @property
     def oldest_ns(self) -> int:
         since = self._since
         return next(iter(since.values())) if since else 0
@@ -90,11 +96,13 @@ class DeferredFrees(dict):
     def _hold(self, key: Any, seq: Any) -> None:
         try:
             old = self._held.get(key)
-            if old is None:
-                self._since[key] = self._clock()
-            else:
+            if old is not None:
                 self._drop(old)
             ids = block_ids(seq)
+            if not ids:
+                self._since.pop(key, None)
+            elif key not in self._since:
+                self._since[key] = self._clock()
             self._held[key] = ids
             refs = self._refs
             for b in ids:
@@ -204,7 +212,7 @@ class AtomPoolSource:
         s.available_blocks = kv.num_free
         cached = getattr(kv, "_cached", None)
         s.cached_blocks = len(cached) if cached is not None else None
-        s.deferred_free_requests = len(d)
+        s.deferred_free_requests = d.requests
         s.deferred_free_blocks = d.blocks
         s.oldest_deferred_free_mono_ns = d.oldest_ns
         stats = sched.cache_stats
@@ -299,7 +307,7 @@ class AtomSidecar:
             running, waiting = scheduler.get_request_counts()
             preemptions = getattr(scheduler, "total_preemptions", None)
             agent.runtime.preemptions_total = None if preemptions is None else int(preemptions)
-            agent.step(running, waiting, len(self.source.current_deferred()))
+            agent.step(running, waiting, self.source.current_deferred().requests)
         except Exception as e:
             _log_once("publish", "kvsidecar publish failed (engine unaffected): %r", e)
 

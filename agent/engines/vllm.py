@@ -150,7 +150,11 @@ def _patch_process_manager() -> None:
         return
 
     def shutdown(self: Any, *args: Any, **kwargs: Any) -> Any:
-        processes = list(getattr(self, "processes", ()))
+        # Only engine cores alive when the stop begins are closed for: vLLM also runs this
+        # shutdown to clean up after a core that crashed (killed, OOM, a bug), and a crash
+        # must read "dead", never "closed cleanly" (segment-format.md section 5: CLOSED is
+        # written for a writer that was alive and being stopped).
+        processes = [p for p in getattr(self, "processes", ()) if _alive(p)]
         timeout = kwargs.get("timeout", args[0] if args else None)
         if timeout == 0:
             # SIGKILL follows SIGTERM at once: close first, so no reader sees "writer gone"
@@ -164,6 +168,18 @@ def _patch_process_manager() -> None:
     setattr(shutdown, _PATCH_MARK, True)
     shutdown.__wrapped__ = original  # type: ignore[attr-defined]
     CoreEngineProcManager.shutdown = shutdown  # type: ignore[method-assign]
+
+
+def _alive(process: Any) -> bool:
+    """Not exited nor exiting. The process sentinel (a pipe the kernel closes as the child
+    exits) is what vLLM's own liveness monitor waits on before it runs this shutdown after a
+    crash; is_alive() (waitpid) can still say True for a moment then, and did."""
+    try:
+        from multiprocessing.connection import wait
+
+        return not wait([process.sentinel], timeout=0)
+    except Exception:
+        return False
 
 
 def _close_for(processes: list[Any], dead_only: bool) -> None:
@@ -500,7 +516,11 @@ class VllmSidecar:
             held: list[list[int] | None] = []
             for src in self.sources:
                 held.append(src.defer(rid, now))
-            self._deferred[rid] = (now, held)
+            # A deferral counts only while it holds a block (schema.md): one holding none
+            # is neither in the runtime count nor a candidate for this step's expiries
+            # (NixlConnector defers only requests with blocks, so its count is theirs).
+            if any(ids is not None for ids in held):
+                self._deferred[rid] = (now, held)
         except Exception as e:
             _log_once("defer", "kvsidecar deferral tracking failed (engine unaffected): %s", e)
 

@@ -2,7 +2,7 @@
 (issue 24 item 2).
 
 Each target is a real writer process publishing `hostile_writers.worst_in_budget`:
-within every per-target default budget (64 pools, every label 256 characters). For
+within every default budget (48 pools, every label 256 characters). For
 N = 1, 2, 4, ... the real ``kvsidecar serve`` runs over them and is scraped a few
 times; reported per N: peak RSS (VmHWM), the last scrape's time and size, and how
 many targets were served (``kvsidecar_source_up 1``) or shed. Only flags every

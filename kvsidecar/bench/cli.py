@@ -552,12 +552,44 @@ def aggregate_cmd(quick: bool, out: str) -> None:
 
     r = aggregate.run(quick=quick)
     report.print_table(
-        f"aggregate: N targets of {r['payload_bytes']:,} B (64 pools, 256-character labels)",
+        f"aggregate: N targets of {r['payload_bytes']:,} B (48 pools, 256-character labels)",
         ["targets", "served", "peak RSS MB", "scrape ms", "body bytes", "status"],
         [[p["targets"], p["served"], p["peak_rss_mb"], p["scrape_ms"], p["body_bytes"],
           p["scrape_status"]] for p in r["points"]],
     )  # fmt: skip
     report.write_json(out, "aggregate", r)
+
+
+@bench.command(name="worsttarget")
+@quick_option
+@out_option
+@click.option("--old", default="", help="Also run each shape on the daemon of this checkout.")
+def worsttarget_cmd(quick: bool, out: str, old: str) -> None:
+    """Daemon RSS with one target at its most costly: every string at the label limit, in
+    1- to 4-byte UTF-8 characters (#31 items 1-2)."""
+    from kvsidecar.bench import worst_target
+
+    r = worst_target.run(quick=quick, old=old)
+    headers = ["UTF-8 width", "chars", "label bytes", "pools", "served", "body bytes",
+               "peak RSS MB"]  # fmt: skip
+    keys = ["served", "body_bytes", "peak_rss_mb"]
+    if old:
+        headers += ["old: served", "old: body bytes", "old: peak RSS MB"]
+        keys += ["old_" + k for k in keys]
+    title = (
+        "worsttarget: one target, every string field at the length given, every optional "
+        f"number set; worst served: {r['worst_served_rss_mb']} MB, "
+        f"{r.get('rss_per_body_byte', '-')} B RSS per body byte"
+    )
+    if old:
+        title += f" (old: {r['old_worst_served_rss_mb']} MB, {r.get('old_rss_per_body_byte', '-')})"
+    report.print_table(
+        title,
+        headers,
+        [[x["width"], x["chars"], x["label_bytes"], x["pools"], *(x[k] for k in keys)]
+         for x in r["rows"]],
+    )  # fmt: skip
+    report.write_json(out, "worsttarget", r)
 
 
 @bench.command(name="labels")
@@ -624,3 +656,21 @@ def cost_cmd(quick: bool, out: str, with_vllm: bool, device: str) -> None:
     if (v := r.get("vllm")) and "skipped" in v:
         click.echo(f"bench cost --vllm: {v['skipped']}")
     report.write_json(out, "cost", r)
+
+
+@bench.command(name="gateway")
+@quick_option
+@out_option
+@click.option(
+    "--vllm", "with_vllm", is_flag=True, help="Also the real vLLM server (needs its env)."
+)
+def gateway_cmd(quick: bool, out: str, with_vllm: bool = False) -> None:
+    """An endpoint picker's polls (20/s and 400/s): engine /metrics vs the gateway (#29)."""
+    from kvsidecar.bench import gateway
+
+    r = gateway.run(quick=quick, vllm=with_vllm)
+    for table in gateway.tables(r):
+        report.print_table(*table)
+    if (v := r.get("vllm")) and "skipped" in v:
+        click.echo(f"bench gateway --vllm: {v['skipped']}")
+    report.write_json(out, "gateway", r)

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import errno
 import logging
+import os
 import signal
 import sys
+import time
 
 import click
 
@@ -24,6 +26,10 @@ from kvsidecar.protocol.names import InvalidName, validate_name
 from kvsidecar.settings import DEFAULT_LISTEN
 from kvsidecar.stopflag import StopFlag
 
+# schema.ROLES, written out: importing the schema would load msgspec for --help
+# (tests/daemon/test_gateway.py checks they are equal).
+GATEWAY_ROLES = ("prefill", "decode", "both")
+
 
 def _segment_names(
     _ctx: click.Context, _param: click.Parameter, value: tuple[str, ...]
@@ -37,6 +43,18 @@ def _segment_names(
         except InvalidName as e:
             raise click.BadParameter(printable(e)) from None
     return names
+
+
+def _gateway_address(value: str | None) -> tuple[str, int] | None:
+    """A bad address is a usage error naming the option, not "cannot listen"."""
+    if value is None or value == "":
+        return None
+    from kvsidecar.web.listen_address import parse_listen_address
+
+    try:
+        return parse_listen_address(value)
+    except ValueError as e:
+        raise click.BadParameter(str(e)) from None
 
 
 def _telemetry_path(value: str) -> str:
@@ -135,6 +153,44 @@ def _telemetry_path(value: str) -> str:
         "without (the default allows 192 TLS / 384 plain); idle ones are closed first at the cap."
     ),
 )
+@click.option(
+    "--gateway.listen-address",
+    "gateway_address",
+    envvar=settings.GATEWAY_LISTEN_ADDRESS.name,
+    default=settings.GATEWAY_LISTEN_ADDRESS.default,
+    callback=lambda ctx, param, value: _gateway_address(value),
+    help=(
+        "Serve an endpoint picker's model-server protocol (vllm:*/sglang:*/atom:* names, "
+        "read fresh per poll) on this address, DP rank r on its port + r; never scrape it "
+        "with Prometheus (docs/gateway.md). Off when unset."
+    ),
+)
+@click.option(
+    "--gateway.ranks",
+    "gateway_ranks",
+    type=click.IntRange(1, 256),
+    default=settings.GATEWAY_RANKS.default,
+    show_default=True,
+    envvar=settings.GATEWAY_RANKS.name,
+    help="Gateway listeners, one per DP rank (ports from --gateway.listen-address up).",
+)
+@click.option(
+    "--gateway.role",
+    "gateway_role",
+    type=click.Choice(GATEWAY_ROLES),
+    default=settings.GATEWAY_ROLE.default,
+    envvar=settings.GATEWAY_ROLE.name,
+    help="Serve only segments of this role on the gateway (default: any).",
+)
+@click.option(
+    "--gateway.max-connections",
+    "gateway_max_connections",
+    type=click.IntRange(4),
+    default=settings.GATEWAY_MAX_CONNECTIONS.default,
+    show_default=True,
+    envvar=settings.GATEWAY_MAX_CONNECTIONS.name,
+    help="Open gateway connections, all listeners together; the idlest makes room at the cap.",
+)
 @trust_options
 @click.option(
     "--ready-requires-source",
@@ -148,8 +204,9 @@ def _telemetry_path(value: str) -> str:
     envvar=settings.HOLD_ON_ERROR.name,
     help=(
         "On a start-up error (bad web config, address in use, bad directory), log it and "
-        "stay up until SIGTERM instead of exiting: a Kubernetes native sidecar that exits "
-        "would hold the engine back and take the Pod out of Ready."
+        "stay up until SIGTERM instead of exiting, retrying the start with back-off (at once "
+        "on SIGHUP): a Kubernetes native sidecar that exits would hold the engine back and "
+        "take the Pod out of Ready."
     ),
 )
 @click.option(
@@ -181,7 +238,8 @@ def _telemetry_path(value: str) -> str:
     default=settings.MAX_LABEL_LENGTH.default,
     show_default=True,
     envvar=settings.MAX_LABEL_LENGTH.name,
-    help="A segment with a longer label value (model_name, pool_name, ...) is refused.",
+    help="A segment with a longer label value (model_name, pool_name, ...; in UTF-8 bytes) "
+    "is refused.",
 )
 @click.option(
     "--max-series-per-target",
@@ -198,8 +256,9 @@ def _telemetry_path(value: str) -> str:
     show_default=True,
     envvar=settings.MAX_EXPOSITION_BYTES.name,
     help=(
-        "Daemon-wide budget: the estimated exposition size of all targets together; above "
-        "it the largest targets are refused (shed) with a reason, never the last one."
+        "Daemon-wide budget: the estimated exposition size (UTF-8 bytes) of all targets "
+        "together; above it targets are refused (shed) with a reason, those served longest "
+        "kept first."
     ),
 )
 @click.option(
@@ -242,6 +301,10 @@ def serve(
     telemetry_path: str,
     max_requests: int,
     connection_memory: int,
+    gateway_address: tuple[str, int] | None,
+    gateway_ranks: int,
+    gateway_role: str | None,
+    gateway_max_connections: int,
     allow_uids: tuple[int, ...],
     allow_any_uid: bool,
     ready_requires_source: bool,
@@ -263,6 +326,7 @@ def serve(
     from kvsidecar.daemon.app import Daemon
     from kvsidecar.daemon.budget import Budget
     from kvsidecar.daemon.endpoints import WebServer
+    from kvsidecar.daemon.malloc import bound_malloc
     from kvsidecar.daemon.targets import TargetSet
     from kvsidecar.protocol.reader import FDS_PER_SEGMENT
     from kvsidecar.web.config import WebConfigError
@@ -270,6 +334,7 @@ def serve(
     from kvsidecar.web.sockets import raise_fd_limit
     from kvsidecar.web.stats import HTTPStats
 
+    bound_malloc()  # before any thread: RSS near what is held (daemon/malloc.py)
     setup_logging(log_level, log_format)
     log = logging.getLogger("kvsidecar")
     # Exporter convention: SIGHUP reloads the web config and the daemon keeps serving
@@ -288,19 +353,21 @@ def serve(
 
     signal.signal(signal.SIGTERM, stop)
     signal.signal(signal.SIGINT, stop)
+    # A --hold-on-error retry execs with these blocked (pending ones kept): handled from here.
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)
     # A missing default directory only means no engine has started yet (the agent creates
     # it): serve and wait, as under systemd at boot. Any other missing directory is a typo.
     try:
         require_dir(shm_dir)
     except SystemExit as e:
-        _exit(e.code if isinstance(e.code, int) else EXIT_USAGE, hold_on_error, stopping)
+        _exit(e.code if isinstance(e.code, int) else EXIT_USAGE, hold_on_error, stopping, hangups)
     # Env twins of repeatable flags are space-separated (click splits them).
     addresses = [a for item in listen_addresses for a in item.split()]
     try:
         web_config = load_web_config(web_config_file) if web_config_file else None
     except WebConfigError as e:
         click.echo(f"kvsidecar: {e}", err=True)
-        _exit(EXIT_USAGE, hold_on_error, stopping)
+        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     allowed = allowed_uids(allow_uids, allow_any_uid)
     targets = TargetSet(
         shm_dir,
@@ -329,6 +396,23 @@ def serve(
         ready_requires_source=ready_requires_source,
         exporter_metrics=not disable_exporter_metrics,
     )
+    # Bound before the main port answers: once /-/healthy does, polls find a listener.
+    gateway = None
+    if gateway_address is not None:
+        from kvsidecar.daemon.gateway import GatewayListenError, start_gateway
+
+        try:
+            gateway = start_gateway(
+                targets,
+                gateway_address,
+                ranks=gateway_ranks,
+                role=gateway_role,
+                max_connections=gateway_max_connections,
+            )
+        except GatewayListenError as e:
+            click.echo(f"kvsidecar: {e}", err=True)
+            _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
+        daemon.gateway_server = gateway
     try:
         server = WebServer(
             daemon,
@@ -352,7 +436,9 @@ def serve(
                 f"e.g. :{_suggest(addresses)}"
             )
         click.echo(f"kvsidecar: cannot listen on {' '.join(addresses)}: {why}", err=True)
-        _exit(EXIT_USAGE, hold_on_error, stopping)
+        if gateway is not None:
+            gateway.shutdown()
+        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     targets.poll_all()
     targets.start()
     scheme = "https" if server.tls else "http"
@@ -365,26 +451,69 @@ def serve(
         shm_dir,
         prefix,
     )
+    if gateway is not None:
+        log.info(
+            "gateway endpoint (model-server protocol, not for Prometheus) on %s",
+            " ".join(f"{a}=dp_rank {r}" for r, a in enumerate(gateway.addresses)),
+        )
     while not stopping.wait(0.2):
         if hangups:
             hangups.clear()
             log.info("received SIGHUP, reloading the web config")
             server.reload()
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
+    if gateway is not None:
+        gateway.shutdown()
     server.shutdown()
     targets.stop()
 
 
-def _exit(code: int, hold: bool, stopping: StopFlag) -> None:
+_HELD_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
+HOLD_RETRY_MIN_S, HOLD_RETRY_MAX_S = 1.0, 60.0
+
+
+def _exit(code: int, hold: bool, stopping: StopFlag, hangups: list[int]) -> None:
     """Exit with ``code`` now, or with --hold-on-error once SIGTERM/SIGINT arrives (set
     ``stopping``; one that came during start-up counts): the error is already on stderr, and
     a process that stays up keeps a Kubernetes sidecar "started" and ready, so the engine
-    starts and keeps serving (docs/operations.md)."""
+    starts and keeps serving (docs/operations.md). Meanwhile the whole start is retried,
+    after a back-off or at once on SIGHUP (a fixed web config): holding for ever left a
+    sidecar that had lost a 4-second port race serving nothing until restarted."""
     if hold and not stopping.is_set():
-        click.echo("kvsidecar: --hold-on-error: staying up, not serving, until SIGTERM", err=True)
-        while not stopping.wait(1.0):
-            pass
+        delay = min(HOLD_RETRY_MAX_S, max(HOLD_RETRY_MIN_S, _held_seconds() / 2))
+        click.echo(
+            f"kvsidecar: --hold-on-error: staying up, not serving; retrying in {delay:.0f} s "
+            "(at once on SIGHUP) until SIGTERM",
+            err=True,
+        )
+        deadline = time.monotonic() + delay
+        while not stopping.wait(0.2):
+            if hangups or time.monotonic() >= deadline:
+                _restart()
     sys.exit(code)
+
+
+def _held_seconds() -> float:
+    """How long this process has been up: exec keeps its start time, so the back-off grows
+    across retries (by half each time, up to HOLD_RETRY_MAX_S) with no state to carry."""
+    try:
+        with open("/proc/self/stat") as f:
+            start_ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
+        with open("/proc/uptime") as f:
+            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return 0.0
+
+
+def _restart() -> None:
+    """Run the same command again in this process (same pid, arguments, environment): the
+    directory, the web config and the port are retried from scratch, nothing half-started
+    kept. Signals stay blocked across the exec, pending ones kept, until `serve` installs
+    its handlers: a SIGTERM or SIGHUP then is neither lost nor fatal."""
+    signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os.execv(sys.executable, sys.orig_argv)
 
 
 def _suggest(addresses: list[str]) -> int:

@@ -34,6 +34,7 @@ from kvsidecar.web.stats import HTTPStats
 
 _JSON = msgspec.json.Encoder()
 _READY_LIST_MAX = 64  # a probe answer stays short whatever the number of targets
+REFUSED_LIST_MAX = 64  # refused files named in /api/v1/snapshots, whatever others create
 
 
 def view_record(view: TargetView, now_mono_ns: int | None = None) -> dict[str, Any]:
@@ -43,6 +44,8 @@ def view_record(view: TargetView, now_mono_ns: int | None = None) -> dict[str, A
         "segment": view.name,
         "state": view.state,
         "error": view.error or None,
+        # Why, as a stable name (segment-format.md section 8: closed, publish_failing, ...).
+        "error_kind": view.error_kind or None,
         "age_seconds": None,
         "writer_restarts_total": view.writer_restarts_total,
         "read_retries_total": view.read_retries_total,
@@ -51,7 +54,7 @@ def view_record(view: TargetView, now_mono_ns: int | None = None) -> dict[str, A
     last = view.last
     if last is not None:
         record.update(
-            age_seconds=round(last.age_seconds(now_mono_ns), 3),
+            age_seconds=round(view.age_seconds(now_mono_ns) or 0.0, 3),  # the daemon's clock
             seq=last.seq,
             incarnation=last.incarnation,
             generation=last.generation,
@@ -87,6 +90,8 @@ class Daemon:
                 c(registry=self._self_registry)
             self.registry.register(_Chain(self._self_registry))
         self._cache: dict[str, tuple[int, bytes]] = {}
+        # The gateway's PollServer, when --gateway.listen-address is set: its counts only.
+        self.gateway_server: Any = None
         self._render_lock = threading.Lock()
 
     # -- Handlers ---------------------------------------------------------------
@@ -101,8 +106,17 @@ class Daemon:
         self.targets.refresh_if_older(self.targets.poll_interval)
         now = time.monotonic_ns()
         records = [view_record(v, now) for v in self.targets.views()]
+        refused = [
+            {"file": name, "reason": reason, "why": why}
+            for name, reason, why in self.targets.refused_files(REFUSED_LIST_MAX)
+        ]
         return _JSON.encode(
-            {"targets": records, "discovery_error": self.targets.discovery_error or None}
+            {
+                "targets": records,
+                "discovery_error": self.targets.discovery_error or None,
+                # Bounded: the first REFUSED_LIST_MAX by reason then name; `total` counts all.
+                "refused": {"total": self.targets.refused_count, "files": refused},
+            }
         )
 
     def ready(self) -> tuple[bool, str]:
@@ -146,7 +160,14 @@ class Daemon:
         return render_text(itertools.chain(families, self._self_registry.collect()))
 
     def _render_openmetrics(self) -> bytes:
-        return openmetrics.generate_latest(self.registry)
+        # Family by family, as render_text: prometheus_client joins the whole body into one
+        # string first, 4 bytes a character once a label holds an emoji. Each family's
+        # output ends with the "# EOF" line; the body has it once, at the end.
+        parts = [
+            openmetrics.generate_latest(_One(f))[: -len(_EOF)] for f in self.registry.collect()
+        ]
+        parts.append(_EOF)
+        return b"".join(parts)
 
     def _daemon_stats(self) -> dict[str, Any]:
         return {
@@ -154,11 +175,12 @@ class Daemon:
             "polls_total": self.targets.polls_total,
             "refused": self.targets.refused_count,
             "unremembered": self.targets.unremembered,
-            "refused_files": self.targets.refused_files(self.targets.max_targets),
+            "refused_by_reason": self.targets.refused_by_reason(),
             "refusals": dict(self.targets.refusals_total),
             "discovery_error": self.targets.discovery_error,
             "discovery_errors": dict(self.targets.discovery_errors_total),
             "waiting": self.targets.waiting,
+            "gateway": _gateway_stats(self.gateway_server),
         }
 
     def _http_stats(self) -> dict[str, Any]:
@@ -170,6 +192,16 @@ class Daemon:
                 for h, hist in snap.durations.items()
             },
         }
+
+
+def _gateway_stats(server: Any) -> dict[str, Any] | None:
+    if server is None:
+        return None
+    return {
+        "requests": dict(server.requests),
+        "closed": dict(server.closed),
+        "connections": server.connections,
+    }
 
 
 def _without_exporter(families: Iterable[Metric], keep: bool) -> Iterable[Metric]:
@@ -187,6 +219,19 @@ class _Filtered:
 
     def collect(self) -> Iterable[Metric]:
         return _without_exporter(self._collector.collect(), self._keep)
+
+
+_EOF = b"# EOF\n"
+
+
+class _One:
+    """One metric family as a registry, for generate_latest."""
+
+    def __init__(self, family: Metric) -> None:
+        self._family = family
+
+    def collect(self) -> list[Metric]:
+        return [self._family]
 
 
 class _Chain:

@@ -8,7 +8,8 @@ took every target's scrape down with it. So every target has a `Budget`:
   before any payload is copied (the default slot is 16 KiB);
 * ``max_pools_per_rank``: checked on the msgpack array header *before* the
   full decode, so an over-budget payload never builds its pool records;
-* ``max_label_length``: every string that becomes a label value;
+* ``max_label_length``: every string that becomes a label value, in UTF-8 bytes (in
+  characters, 256 emoji were 1 KiB each: a 9-12 MB body against a 3 MiB budget);
 * ``max_series_per_target``: an upper bound of the series the target would export.
 
 A target over budget is refused (state ``refused``, the reason in its error,
@@ -16,10 +17,14 @@ A target over budget is refused (state ``refused``, the reason in its error,
 
 Per-target budgets alone let N conforming targets cost N times as much (32 maximal
 ones: 771 MB RSS, 2.5 s scrapes). So the daemon also has a budget in aggregate,
-``max_exposition_bytes``: the estimated exposition size (`exposition_estimate`, which
-the RSS follows at about 10x) of every served target together. Above it the largest
-targets are shed (state ``refused``, limit ``total``, the reason in the error), the
-smallest kept, and never the last one: no number of targets fails every engine.
+``max_exposition_bytes``: the estimated exposition size in UTF-8 bytes
+(`exposition_estimate`) of every served target together. The daemon's peak RSS follows it
+at about 7 bytes per byte over ~28 MB (text and OpenMetrics renders, their caches and
+gzip copies; `kvsidecar bench worsttarget`), so the default 3 MiB keeps it near 50 MB,
+inside the Kubernetes sidecar's 64 Mi. Targets are kept in order of seniority (served
+first, then found first) while they fit: a newcomer never sheds a target that was
+serving, however small the newcomer, and a target that alone exceeds the budget is shed
+too (state ``refused``, limit ``total``, the reason in the error).
 
 `sanitize` validates every exported number per field: a negative count, a
 NaN/Inf or an integer >= 2^63 from a buggy writer is dropped (no series, as if
@@ -28,7 +33,6 @@ unsupported) and counted, so both exposition formats always parse.
 
 from __future__ import annotations
 
-import math
 import typing
 from dataclasses import dataclass
 
@@ -49,8 +53,8 @@ DEFAULT_MAX_PAYLOAD_BYTES = 1024 * 1024  # 64x the agent's default slot
 DEFAULT_MAX_POOLS = 64
 DEFAULT_MAX_LABEL_LENGTH = MAX_LABEL_LENGTH
 DEFAULT_MAX_SERIES = 4096
-# About one maximal conforming target (64 pools, 256-character labels: ~2.2 MB of text):
-# the daemon then stays inside the Kubernetes sidecar's 64 Mi (the curve in
+# About one maximal conforming target (48 pools, every label 256 bytes: ~2.9 MB of text):
+# the daemon then stays inside the Kubernetes sidecar's 64 Mi (`bench worsttarget`,
 # docs/reliability.md), and ~150 realistic ranks (1-2 pools, short labels) fit.
 DEFAULT_MAX_EXPOSITION_BYTES = 3 * 1024 * 1024
 
@@ -118,6 +122,21 @@ def label_values(snapshot: Snapshot) -> list[tuple[str, str]]:
     return out
 
 
+def utf8_len(value: str) -> int:
+    """What a string costs in a label, an exposition body or a JSON answer: its UTF-8
+    bytes (an emoji is one character and four bytes)."""
+    return len(value) if value.isascii() else len(value.encode("utf-8", "surrogatepass"))
+
+
+def exposed_len(value: str) -> int:
+    """Bytes of a label value in the text exposition: UTF-8, a backslash, double quote or
+    newline escaped to two (256 double quotes are 512 bytes there)."""
+    n = utf8_len(value)
+    if "\\" in value or '"' in value or "\n" in value:
+        n += value.count("\\") + value.count('"') + value.count("\n")
+    return n
+
+
 def series_estimate(snapshot: Snapshot) -> int:
     """An upper bound of the series one target exports for this snapshot."""
     r = snapshot.runtime
@@ -132,28 +151,36 @@ _SAMPLE_OVERHEAD = 64  # metric name, punctuation, value, per sample line
 
 
 def exposition_estimate(snapshot: Snapshot, name: str) -> int:
-    """Bytes of text exposition this target adds, about: series times their labels."""
+    """UTF-8 bytes of text exposition this target adds, about: series times their labels
+    (as exposed: escapes included)."""
     r = snapshot.runtime
-    rank = len(name) + len(r.engine) + len(r.model_name) + len(r.role) + 80
+    rank = sum(map(exposed_len, (name, r.engine, r.model_name, r.role))) + 80
     n = HEALTH_SERIES + 1 + sum(getattr(r, m.field) is not None for m in md.RUNTIME)
     total = n * (rank + _SAMPLE_OVERHEAD)
-    total += sum(len(v) for _, v in _strings(r))  # the info series carries them all
+    total += sum(exposed_len(v) for _, v in _strings(r))  # the info series carries them all
     per_pool_derived = len(md.POOL_DERIVED)
     for p in snapshot.pools:
         k = per_pool_derived + sum(getattr(p, m.field) is not None for m in md.POOL)
-        total += k * (rank + len(p.pool_name) + 24 + _SAMPLE_OVERHEAD)
+        total += k * (rank + exposed_len(p.pool_name) + 24 + _SAMPLE_OVERHEAD)
     return total
+
+
+def health_estimate(name: str, snapshot: Snapshot | None) -> int:
+    """UTF-8 bytes of exposition a target that is not up adds: its health series only
+    (values are exported only while up)."""
+    rank = exposed_len(name) + 80
+    if snapshot is not None:
+        r = snapshot.runtime
+        rank += exposed_len(r.engine) + exposed_len(r.model_name) + exposed_len(r.role)
+    return HEALTH_SERIES * (rank + _SAMPLE_OVERHEAD)
 
 
 def check(snapshot: Snapshot, budget: Budget) -> None:
     """Raise `OverBudget` if the decoded snapshot exceeds the label or series budget."""
     limit = budget.max_label_length
     for what, value in label_values(snapshot):
-        if len(value) > limit:
-            raise OverBudget(
-                "label_length",
-                f"{what} is {len(value)} characters > --max-label-length {limit}",
-            )
+        if len(value) * 4 > limit and (n := utf8_len(value)) > limit:
+            raise OverBudget("label_length", f"{what} is {n} bytes > --max-label-length {limit}")
     series = series_estimate(snapshot)
     if series > budget.max_series_per_target:
         raise OverBudget(
@@ -201,8 +228,8 @@ def valid_value(value: object) -> bool:
         return True
     if isinstance(value, int):
         return 0 <= value < INT_LIMIT
-    if isinstance(value, float):
-        return math.isfinite(value) and value >= 0.0
+    if isinstance(value, float):  # finite, and in [0, 2^63) like every number
+        return 0.0 <= value < INT_LIMIT
     return False
 
 

@@ -123,7 +123,7 @@ class SnapshotCollector:
                     if value is not None:
                         fam.add_metric(labels, float(value) * m.scale)
                 _derived(p, labels, usage, tokens, fill)
-                _deferred_age(p, labels, age, now)
+                _deferred_age(p, labels, age, now - view.clock_offset_ns)
         for _, fam in families:
             yield fam
         yield usage
@@ -242,16 +242,19 @@ class SnapshotCollector:
             for cause, n in sorted(stats.get("discovery_errors", {}).items()):
                 errors.add_metric([cause], n)
             yield errors
-            refused_file = _family(defs["kvsidecar_refused_file"], ("file", "reason"))
-            for name, reason in stats.get("refused_files", []):
-                refused_file.add_metric([name, reason], 1.0)
-            yield refused_file
+            # By reason only: a file name is a label value its creator would choose.
+            by_reason = _family(defs["kvsidecar_refused_segments_by_reason"], ("reason",))
+            for reason, n in sorted(stats.get("refused_by_reason", {}).items()):
+                by_reason.add_metric([reason], n)
+            yield by_reason
             waiting = _family(defs["kvsidecar_targets_waiting"], ())
             waiting.add_metric([], stats.get("waiting", 0))
             yield waiting
             unremembered = _family(defs["kvsidecar_refused_segments_unremembered"], ())
             unremembered.add_metric([], stats.get("unremembered", 0))
             yield unremembered
+            if stats.get("gateway") is not None:
+                yield from _gateway_families(stats["gateway"], defs)
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
 
@@ -309,8 +312,22 @@ def _deferred_age(p: KVCachePoolSnapshot, labels: list[str], age, now_mono_ns: i
     since = p.oldest_deferred_free_mono_ns
     if since is None:
         return  # the writer cannot tell: no series
-    # Same clock as the writer (CLOCK_MONOTONIC is per boot, shared by every process).
+    # now_mono_ns is on the writer's clock: ours less the offset of a writer in another time
+    # namespace (TargetView.clock_offset_ns; it read its offset, 1000s of s, as an age).
     age.add_metric(labels, max(0, now_mono_ns - since) / 1e9 if since > 0 else 0.0)
+
+
+def _gateway_families(stats: dict, defs: dict[str, md.MetricDef]) -> Iterator[Metric]:
+    """stats: {"requests": {code: n}, "closed": {reason: n}, "connections": n}."""
+    req = _family(defs["kvsidecar_gateway_requests_total"], ("code",))
+    for code, n in sorted(stats["requests"].items()):
+        req.add_metric([str(code)], n)
+    conns = _family(defs["kvsidecar_gateway_connections"], ())
+    conns.add_metric([], stats["connections"])
+    closed = _family(defs["kvsidecar_gateway_connections_closed_total"], ("reason",))
+    for reason, n in sorted(stats["closed"].items()):
+        closed.add_metric([reason], n)
+    yield from (req, conns, closed)
 
 
 def _http_families(stats: dict, defs: dict[str, md.MetricDef]) -> Iterator[Metric]:

@@ -465,8 +465,10 @@ POOL: tuple[MetricDef, ...] = (
         "kvsidecar_kv_pool_deferred_free_ended_blocks_total",
         COUNTER,
         _B,
-        "Blocks the ended deferrals held when they ended, summed (/ ended_total: blocks "
-        "per released request).",
+        "Blocks the ended deferrals held when they ended, summed per request: a block "
+        "several of them shared counts once for each (8 requests sharing 18 distinct "
+        "blocks, 4 each: +32), unlike kvsidecar_kv_pool_deferred_free_blocks, which counts "
+        "it once (/ ended_total: blocks per released request).",
         "deferred_free_ended_blocks_total",
     ),
     MetricDef(
@@ -492,7 +494,8 @@ POOL: tuple[MetricDef, ...] = (
         "kvsidecar_kv_pool_deferred_free_expired_blocks_total",
         COUNTER,
         _B,
-        "Blocks the expired deferrals held when their lease ran out, summed.",
+        "Blocks the expired deferrals held when their lease ran out, summed per request "
+        "like kvsidecar_kv_pool_deferred_free_ended_blocks_total.",
         "deferred_free_expired_blocks_total",
         overlaps="subset of deferred_free_ended_blocks_total",
     ),
@@ -528,7 +531,8 @@ POOL_DERIVED: tuple[MetricDef, ...] = (
         GAUGE,
         "seconds",
         "How long the oldest deferred request of this pool has held its KV (now - "
-        "oldest_deferred_free_mono_ns, computed at scrape time); 0 when none is deferred. "
+        "oldest_deferred_free_mono_ns, computed at scrape time; a writer in another time "
+        "namespace is read through its clock's offset); 0 when none is deferred. "
         "A P/D transfer that never completes shows as an age that only grows.",
         "oldest_deferred_free_mono_ns",
         anchor="none (no engine exports it)",
@@ -583,7 +587,10 @@ SOURCE: tuple[MetricDef, ...] = (
         "kvsidecar_source_snapshot_age_seconds",
         GAUGE,
         "seconds",
-        "Age of the last good snapshot (now - writer heartbeat); exported in every state.",
+        "Seconds since the writer last showed progress (a new heartbeat or snapshot), on the "
+        "daemon's clock: a writer in another time namespace reads its true age, not its "
+        "clock offset (its own age is believed at first sight, up to just past "
+        "--stale-after); exported in every state.",
     ),
     MetricDef(
         "kvsidecar_source_writer_restarts_total",
@@ -675,8 +682,10 @@ DAEMON: tuple[MetricDef, ...] = (
         "Discovered files refused, each counted once per file identity (label reason: "
         "symlink, not_regular, foreign_owner, version = a newer major version, unreadable, "
         "vanished = gone before it could be read, max_targets = over --max-targets, admission = "
-        "a new name that had to wait for --max-new-targets, counted once per target). Each "
-        "file still refused has a kvsidecar_refused_file series. A lower bound while "
+        "a new name that had to wait for --max-new-targets, counted once per target). The "
+        "files still refused are counted by reason in kvsidecar_refused_segments_by_reason; "
+        "their names are in the log, `kvsidecar ls` and /api/v1/snapshots, never in a label "
+        "(whoever can create a file would choose it). A lower bound while "
         "kvsidecar_refused_segments_unremembered > 0: files beyond the remembered ones are "
         "not counted.",
     ),
@@ -722,13 +731,36 @@ DAEMON: tuple[MetricDef, ...] = (
         "HTTP request duration (label handler).",
     ),
     MetricDef(
-        "kvsidecar_refused_file",
+        "kvsidecar_gateway_requests_total",
+        COUNTER,
+        "requests",
+        "Polls answered on the gateway listeners (--gateway.listen-address), by status code "
+        "(label code): 200 with a rank's fresh numbers, 503 for a rank that is not up. No "
+        "series while the gateway is off.",
+    ),
+    MetricDef(
+        "kvsidecar_gateway_connections",
         GAUGE,
-        "",
-        "1 for each file the daemon found but does not follow (labels file, reason: version = "
-        "a newer major layout/schema version, unreadable, symlink, not_regular, foreign_owner, "
-        "max_targets); `kvsidecar ls` says why. At most --max-targets series, by file name: "
-        "kvsidecar_refused_segments has the full count.",
+        "connections",
+        "Open connections on the gateway listeners (at most --gateway.max-connections).",
+    ),
+    MetricDef(
+        "kvsidecar_gateway_connections_closed_total",
+        COUNTER,
+        "connections",
+        "Gateway connections the daemon closed (label reason: evicted = made room for a "
+        "newcomer at the cap, refused = the cap was full of responses in flight, slow_head, "
+        "slow_reader, idle, error).",
+    ),
+    MetricDef(
+        "kvsidecar_refused_segments_by_reason",
+        GAUGE,
+        "files",
+        "Files the daemon found and does not follow now, among those remembered, by reason "
+        "(label reason: version = a newer major layout/schema version, unreadable, symlink, "
+        "not_regular, foreign_owner, max_targets, ...). Which files: the log, `kvsidecar ls`, "
+        "/api/v1/snapshots (refused). Replaces kvsidecar_refused_file{file}, whose label "
+        "value any user who could create a file chose (3,072-3,840 values in 15 s).",
     ),
     MetricDef(
         "kvsidecar_targets_waiting",
@@ -790,6 +822,63 @@ def markdown() -> str:
         out.append(
             f"| `{m.name}` | {m.type} | {m.unit} | {m.help} | {field} | {m.anchor} | {m.overlaps} |"
         )
+    return "\n".join(out) + "\n" + _gateway_markdown()
+
+
+def _gateway_markdown() -> str:
+    """The gateway endpoint's families (docs/gateway.md): not on /metrics, never scraped."""
+    from kvsidecar.daemon import gateway_body as gb
+
+    out = [
+        "",
+        "## Gateway endpoint (`--gateway.listen-address`)",
+        "",
+        "Served per DP rank on the gateway listeners only, for an endpoint picker, never for "
+        "Prometheus (the engine serves the same names: scraping both would double every sum "
+        "over them; docs/gateway.md). All gauges, no HELP lines, read fresh at each poll. "
+        "An engine without names of its own (our demo, kvcached) gets vLLM's.",
+        "",
+        "| meaning | unit | vLLM | SGLang | ATOM |",
+        "|---|---|---|---|---|",
+    ]
+    e = (gb.VLLM, gb.SGLANG, gb.ATOM)
+    rows = [
+        ("queued requests (requests_waiting)", "requests", [n.waiting for n in e]),
+        ("running requests (requests_running)", "requests", [n.running for n in e]),
+        (
+            "KV-cache usage: allocated / total blocks (SGLang: the fullest pool, rounded to "
+            "2 decimals, as SGLang does)",
+            "ratio 0-1",
+            [n.usage for n in e],
+        ),
+        (
+            "block size and count, in the labels; value 1 (vLLM's num_gpu_blocks counts "
+            "the null block)",
+            "",
+            [f"{n.cache_info}{{{n.block_size_label},{n.num_blocks_label}}}" for n in e],
+        ),
+        (
+            "KV blocks held for P/D transfer (deferred frees; distinct blocks summed over "
+            "pools; inside the usage)",
+            "blocks",
+            [gb.HELD_BLOCKS] * 3,
+        ),
+        (
+            "age of the oldest deferral still holding KV (0 when none)",
+            "seconds",
+            [gb.HELD_AGE] * 3,
+        ),
+    ]
+    for meaning, unit, names in rows:
+        out.append(f"| {meaning} | {unit} | " + " | ".join(f"`{n}`" for n in names) + " |")
+    out.append("")
+    out.append(
+        "Labels: vLLM's `engine` (the DP rank) and `model_name`; SGLang's `model_name`, "
+        "`engine_type` (prefill, decode, unified), `tp_rank`, `pp_rank`, `moe_ep_rank` "
+        "(always 0: not in the segment) and `dp_rank` when dp_size > 1; ATOM's none. "
+        "`cache_config_info` carries vLLM's `engine` and the two sizes (SGLang, ATOM: the "
+        "sizes alone); the two kvsidecar families carry no labels."
+    )
     return "\n".join(out) + "\n"
 
 

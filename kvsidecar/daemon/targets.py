@@ -36,6 +36,7 @@ from kvsidecar.daemon.budget import (
     OverBudget,
     check,
     exposition_estimate,
+    health_estimate,
     identity_error,
     sanitize,
 )
@@ -50,6 +51,7 @@ from kvsidecar.protocol.reader import (
     dead_message,
     stale_message,
 )
+from kvsidecar.protocol.schema import Snapshot
 
 UP, STALE, DEAD, CORRUPT, NOT_READY, REFUSED = (
     "up",
@@ -135,6 +137,11 @@ class TargetView:
     error: str = ""
     error_kind: str = ""  # ReadError.kind, or OVER_BUDGET
     last: Reading | None = None  # last good reading, kept across dead/stale/corrupt
+    # When, on the daemon's clock, the writer last showed progress (Target._still_for).
+    progress_mono_ns: int = 0
+    # Add to a writer's CLOCK_MONOTONIC stamp to read it on ours: 0 while the clocks agree
+    # (within --stale-after), else the offset seen at its last progress (a time namespace).
+    clock_offset_ns: int = 0
     last_poll_mono_ns: int = 0
     writer_restarts_total: int = 0
     read_retries_total: int = 0
@@ -148,7 +155,16 @@ class TargetView:
         return self.state == UP
 
     def age_seconds(self, now_mono_ns: int | None = None) -> float | None:
-        return None if self.last is None else self.last.age_seconds(now_mono_ns)
+        """Seconds since the writer last showed progress, on the daemon's clock: the
+        writer's clock alone made a live writer 500 s behind (another time namespace)
+        read 500 s old. At first sight its own age is believed up to just past
+        stale_after (Target._still_for)."""
+        if self.last is None:
+            return None
+        if not self.progress_mono_ns:
+            return self.last.age_seconds(now_mono_ns)
+        now = time.monotonic_ns() if now_mono_ns is None else now_mono_ns
+        return max(0, now - self.progress_mono_ns) / 1e9
 
 
 CLOSED_KIND = "closed"  # error_kind of a target whose writer closed it cleanly
@@ -191,9 +207,21 @@ class Target:
         # The reader decodes through this: too many pools are refused before a record is built.
         self.reader._decoder = BoundedSnapshotDecoder(self.budget.max_pools_per_rank)  # type: ignore[assignment]
         self.view = TargetView(name=name)
-        self.cost = 0  # exposition_estimate of the last good snapshot: the aggregate budget
+        # The poller and the gateway (a fresh read per request) both poll: one at a time,
+        # and never while the reader is being closed.
+        self.lock = threading.Lock()
+        # Closed by the TargetSet (forgotten): a late gateway poll must not re-attach it, or
+        # the descriptor it opened would never be closed.
+        self.forgotten = False
+        # The last checked snapshot, costed (exposition_estimate) only when the aggregate
+        # budget asks: a gateway poll of a new step must not pay for it (~20 % of a check).
+        self._cost_of: Snapshot | None = None
+        self._cost = (None, 0)
         self.shed = ""  # why the aggregate budget sheds it ("" = served)
+        # When the aggregate budget first served it up: its seniority there (None: never).
+        self.served_since: float | None = None
         self.ever_up = False  # a target never up since admission is junk at --max-targets
+        self.dead_since = 0.0  # monotonic time it was last seen becoming dead
         # Exported (its name a `segment` label) once admitted: see TargetSet._admit.
         self.shown = explicit
         self.waited = False  # counted once as waiting for admission
@@ -205,17 +233,32 @@ class Target:
         self._beat_seen = 0
         self._checked: tuple[int, int] | None = None  # (incarnation, seq) of v.last's snapshot
 
+    @property
+    def cost(self) -> int:
+        """exposition_estimate of the last good snapshot (0 before one): the aggregate budget."""
+        snapshot = self._cost_of
+        if snapshot is None:
+            return 0
+        if self._cost[0] is not snapshot:
+            self._cost = (snapshot, exposition_estimate(snapshot, self.name))
+        return self._cost[1]
+
     def poll(self, log_transitions: bool = True) -> TargetView:
         """Attach if needed, read, classify. Never raises."""
-        try:
-            view = self._poll()
-        except Exception as e:  # a bug must not take the daemon down with it
-            view = replace(self.view, state=CORRUPT, error=f"internal error: {e!r}")
-        if log_transitions and view.state != self.view.state:
-            self._log_transition(view)
-        self.view = view
-        self.ever_up = self.ever_up or view.up
-        return view
+        with self.lock:
+            if self.forgotten:
+                return replace(self.view, state=NOT_READY, error=f"segment {self.name}: forgotten")
+            try:
+                view = self._poll()
+            except Exception as e:  # a bug must not take the daemon down with it
+                view = replace(self.view, state=CORRUPT, error=f"internal error: {e!r}")
+            if log_transitions and view.state != self.view.state:
+                self._log_transition(view)
+            if view.state == DEAD and self.view.state != DEAD:
+                self.dead_since = time.monotonic()
+            self.view = view
+            self.ever_up = self.ever_up or view.up
+            return view
 
     def _still_for(self, result: Reading, now: int) -> float:
         """Seconds, on the daemon's clock, since the writer last showed progress. At first
@@ -229,6 +272,13 @@ class Target:
         elif beat != self._beat:
             self._beat, self._beat_seen = beat, now
         return (now - self._beat_seen) / 1e9
+
+    def _clock_offset(self, result: Reading) -> int:
+        """Our clock minus the writer's, from when its last heartbeat was first seen; 0 when
+        that is within stale_after (the same clock, read a poll later): a stamp of the
+        writer's own (a pool's oldest deferral) is then trusted as is."""
+        offset = self._beat_seen - result.heartbeat_mono_ns
+        return 0 if abs(offset) <= self.stale_after * 1e9 else offset
 
     def _log_transition(self, view: TargetView) -> None:
         level = (
@@ -294,7 +344,7 @@ class Target:
             if rejected:
                 result = msgspec.structs.replace(result, snapshot=snapshot)  # a Struct
             self._checked = key
-            self.cost = exposition_estimate(result.snapshot, self.name)
+            self._cost_of = result.snapshot
         if self.shed:  # read (for its size) but not kept, nor exported
             return self._shed_view(v, now)
         restarts = v.writer_restarts_total
@@ -302,11 +352,12 @@ class Target:
             restarts += 1
         self._incarnation = result.incarnation
         kind = ""
+        still = self._still_for(result, now)  # dead ones too: their age is on our clock
         if not reader.writer_alive():
             closed = _closed(reader)
             state, error = DEAD, dead_message(self.name, closed)
             kind = CLOSED_KIND if closed else ""
-        elif (still := self._still_for(result, now)) > self.stale_after:
+        elif still > self.stale_after:
             state = STALE
             error = stale_message(self.name, result, still, self.stale_after)
             kind = PUBLISH_FAILING_KIND if result.publish_failing else ""
@@ -323,11 +374,21 @@ class Target:
             error=error,
             error_kind=kind,
             last=result,
+            progress_mono_ns=self._beat_seen,
+            clock_offset_ns=self._clock_offset(result),
             last_poll_mono_ns=now,
             writer_restarts_total=restarts,
             read_retries_total=v.read_retries_total + result.attempts - 1,
             rejected_values_total=values,
         )
+
+    def budget_cost(self) -> int:
+        """What it adds to the aggregate budget: its whole estimate while up or shed (it
+        would be served), else its health series only (values are exported only up)."""
+        if self.shed or self.view.up:
+            return self.cost
+        last = self.view.last
+        return health_estimate(self.name, None if last is None else last.snapshot)
 
     def _shed_view(self, v: TargetView, now: int) -> TargetView:
         return replace(
@@ -374,7 +435,9 @@ class Target:
         )
 
     def close(self) -> None:
-        self.reader.close()
+        with self.lock:
+            self.forgotten = True
+            self.reader.close()
 
 
 class OpenDirectory(OSError):
@@ -402,6 +465,15 @@ def _refuse_open_directory(path: str, st: os.stat_result) -> None:
 _M64 = (1 << 64) - 1
 _GEN_SHIFT, _GEN_MASK = 132, 255
 _REASON_CODE = {r: i for i, r in enumerate(REFUSAL_REASONS)}
+# Which refusals the JSON API names first: an engine the daemon will not follow before
+# files an lstat refuses (another user's, symlinks, FIFOs), which a neighbour can flood.
+_REFUSED_ORDER = {
+    r: i
+    for i, r in enumerate(
+        ("version", "unreadable", "max_targets", "admission", "vanished", "not_regular",
+         "symlink", "foreign_owner")
+    )
+}  # fmt: skip
 
 
 def _pack(ino: int, key: int, reason: str, uid: int, gen: int) -> int:
@@ -515,6 +587,7 @@ class TargetSet:
         self._last_summary = float("-inf")
         self._error_logged: dict[str, float] = {}
         self._waiting_logged = False  # "the default directory does not exist yet", once
+        self._default_dir_said: tuple | None = None  # what _warn_default_dir last warned of
         self._lock = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -534,16 +607,27 @@ class TargetSet:
         """Files not followed now: those remembered, and those beyond MAX_REFUSED."""
         return len(self._refused) + self.unremembered
 
-    def refused_files(self, limit: int) -> list[tuple[str, str]]:
-        """(name, reason) of the first `limit` refused files by name: one health series
-        each, bounded however many files others put in the directory."""
-        out = []
-        # list() copies the keys atomically; the poller may change the dict meanwhile.
-        for name in heapq.nsmallest(limit, list(self._refused)):
-            entry = self._refused.get(name)
-            if entry is not None:
-                out.append((name, _reason(entry)))
-        return out
+    def refused_files(self, limit: int) -> list[tuple[str, str, str]]:
+        """(name, reason, why) of at most `limit` refused files, for the JSON API: the
+        reasons an operator acts on first (version, unreadable, max_targets...), then by
+        name, so a flood of foreign files cannot hide an engine refused for its version."""
+        # list() copies the items atomically; the poller may change the dict meanwhile.
+        entries = list(self._refused.items())
+        first = heapq.nsmallest(
+            limit, entries, key=lambda e: (_REFUSED_ORDER.get(_reason(e[1]), 99), e[0])
+        )
+        return [
+            (n, _reason(e), self._messages.get(n) or self._message(n, _reason(e), _uid(e)))
+            for n, e in first
+        ]
+
+    def refused_by_reason(self) -> dict[str, int]:
+        """Files refused now and remembered, by reason (a bounded label set)."""
+        counts: dict[str, int] = {}
+        for entry in list(self._refused.values()):
+            reason = _reason(entry)
+            counts[reason] = counts.get(reason, 0) + 1
+        return counts
 
     def _message(self, name: str, reason: str, uid: int = -1) -> str:
         path = os.path.join(self.shm_dir, name)
@@ -571,6 +655,8 @@ class TargetSet:
         try:
             st = os.stat(self.shm_dir)
             _refuse_open_directory(self.shm_dir, st)
+            if self.shm_dir == DEFAULT_SHM_DIR:
+                self._warn_default_dir(st)
             # ctime too: a chmod (an unreadable directory) must be seen at once.
             dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
             # Unchanged: nothing was added, removed or renamed since the last listing.
@@ -683,10 +769,15 @@ class TargetSet:
             self._consider(name, ino, name in explicit)
 
     def _junk(self) -> Target | None:
-        """The target admitted longest ago that has never been up (dead, empty or corrupt
-        from its first read), if any: what a live engine may displace at --max-targets."""
+        """What a live engine may displace at --max-targets: the target admitted longest ago
+        that has never been up (dead, empty or corrupt from its first read), else the one
+        dead longest (a crash loop's leftovers: 256 segments up once, then dead, kept a new
+        engine out for as long as their files remained)."""
         never_up = [t for t in self.targets.values() if not t.ever_up and not t.explicit]
-        return min(never_up, key=lambda t: t.admitted_mono) if never_up else None
+        if never_up:
+            return min(never_up, key=lambda t: t.admitted_mono)
+        dead = [t for t in self.targets.values() if t.view.state == DEAD and not t.explicit]
+        return min(dead, key=lambda t: t.dead_since) if dead else None
 
     def _screen(self, name: str, ino: int) -> int | None:
         """What an lstat says of a discovered file: None if that settles it (refused now,
@@ -745,8 +836,9 @@ class TargetSet:
                 self._refuse(name, "max_targets", ino, key)
                 return
             log.warning(
-                "%s: --max-targets %d reached: dropping %s (never up: %s) for it",
-                name, self.max_targets, junk.name, junk.view.state,
+                "%s: --max-targets %d reached: dropping %s (%s: %s) for it",
+                name, self.max_targets, junk.name,
+                "dead" if junk.ever_up else "never up", junk.view.state,
             )  # fmt: skip
             self.targets.pop(junk.name).close()
             self._refuse(junk.name, "max_targets")
@@ -873,6 +965,35 @@ class TargetSet:
         self._pending, self._pending_example = {}, ""
         self._last_summary = now
 
+    def _warn_default_dir(self, st: os.stat_result) -> None:
+        """Warn, once per change, of a default directory that is a symlink or owned by a
+        user we do not trust: /dev/shm is writable by everyone, so whoever created it first
+        chose where segments are read from, and may replace any of them (issue 31)."""
+        path = self.shm_dir
+        try:
+            link = os.readlink(path) if os.path.islink(path) else None
+        except OSError:
+            link = None
+        trusted = {os.geteuid(), 0} | set(self.allowed_uids or ())
+        foreign = self.allowed_uids is not None and st.st_uid not in trusted
+        said = (st.st_dev, st.st_ino, st.st_uid, link) if link or foreign else None
+        if said == self._default_dir_said:
+            return
+        self._default_dir_said = said
+        if link is not None:
+            log.warning(
+                "%s is a symlink to %s: whoever created it chose the directory segments are "
+                "read from; remove it (the agent creates the directory, private) or pass "
+                "--shm-dir with the real path", path, link,
+            )  # fmt: skip
+        if foreign:
+            log.warning(
+                "%s is owned by uid %d, not by this daemon's user, root or an --allow-uid: "
+                "that user can delete or replace any segment in it; if the engine runs as "
+                "uid %d pass --allow-uid %d, else remove the directory (the agent creates "
+                "it 0750)", path, st.st_uid, st.st_uid, st.st_uid,
+            )  # fmt: skip
+
     def _discovery_failed(self, e: OSError, now: float) -> None:
         cause = errno.errorcode.get(e.errno or 0, "other")
         self.discovery_errors_total = _bump(self.discovery_errors_total, cause)
@@ -917,8 +1038,11 @@ class TargetSet:
         self.last_poll_duration_s = time.monotonic() - t0
 
     def _apply_total_budget(self) -> None:
-        """Keep the smallest targets whose exposition fits ``max_exposition_bytes``
-        together (always at least one); shed the others, largest first, with a reason."""
+        """Keep targets while their exposition fits ``max_exposition_bytes`` together, by
+        seniority: those served longest first, then those found first; shed the others
+        with a reason. Keeping the smallest let 72 slightly smaller junk targets of the
+        engine's uid shed the real engine; "always at least one" let one target alone
+        take the daemon to 444 MB."""
         limit = self.budget.max_exposition_bytes
         # Served, or shed by this budget (they may fit again); not those over their own,
         # nor hidden ones (they export nothing).
@@ -928,23 +1052,29 @@ class TargetSet:
                 for t in self.targets.values()
                 if t.shown and (t.shed or (t.cost and t.view.error_kind != OVER_BUDGET))
             ),
-            key=lambda t: (t.cost, t.name),
+            key=lambda t: (t.served_since is None, t.served_since or t.admitted_mono, t.name),
         )
-        total, kept = 0, 0
+        now = time.monotonic()
+        ranked = set(costed)
+        total = sum(t.budget_cost() for t in self.targets.values() if t.shown and t not in ranked)
         for t in costed:
-            if kept == 0 or total + t.cost <= limit:
-                total += t.cost
-                kept += 1
+            cost = t.budget_cost()
+            if total + cost <= limit:
+                total += cost
                 t.shed = ""  # served again from the next poll
+                if t.served_since is None and t.view.up:
+                    t.served_since = now
                 continue
+            t.served_since = None  # shed: it queues again behind those served meanwhile
             if not t.shed:
                 t.shed = (
-                    f"the targets together would export ~{(total + t.cost) / 2**20:.1f} MiB "
-                    f"> --max-exposition-bytes {limit} (this one ~{t.cost / 2**10:.0f} KiB; "
-                    "the largest are shed first)"
+                    f"the targets together would export ~{(total + cost) / 2**20:.1f} MiB "
+                    f"> --max-exposition-bytes {limit} (this one ~{cost / 2**10:.0f} KiB; "
+                    "those served longest are kept first)"
                 )
                 t.view = t._shed_view(t.view, time.monotonic_ns())
-                log.warning("%s: shed: %s", t.name, t.shed)
+                # Throttled per name: one flapping target logged 35 lines in 20 s.
+                self._note(t.name, logging.WARNING, "shed: %s", t.shed)
 
     def refresh_if_older(self, max_age: float) -> None:
         """Read fresh at scrape time when the last poll is older than max_age."""

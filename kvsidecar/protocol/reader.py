@@ -35,6 +35,7 @@ from kvsidecar.protocol.schema import (
     decode_capabilities,
     directory_version,
     field_order_error,
+    unsent_count,
 )
 
 DEFAULT_RETRIES = 8
@@ -288,16 +289,23 @@ class SegmentReader:
             if n is None or n < 2:
                 return Corrupt(f"segment {self.path}: payload is not a [runtime, pools] array")
         rejected: tuple[str, ...] = ()
+        unsent = unsent_count()
         try:
             snapshot = self._decoder.decode(payload)
+            # A record cut short got the writer's defaults (engine "unknown", pid 0) where
+            # nothing was sent (schema._Unsent): read it field by field instead.
+            complete = unsent_count() == unsent
         except msgspec.ValidationError:
-            # A value of the wrong type: only that value is rejected (schema.md, "Values").
+            complete = False  # a value of the wrong type
+        except msgspec.DecodeError as e:
+            return Corrupt(f"segment {self.path}: payload does not decode ({_one_line(e)})")
+        if not complete:
+            # Only the wrong or missing value is null (schema.md, "Values"), unless it is
+            # an identity field.
             lenient = decode_lenient(payload)
             if isinstance(lenient, str):
                 return Corrupt(f"segment {self.path}: payload does not decode ({lenient})")
             snapshot, rejected = lenient
-        except msgspec.DecodeError as e:
-            return Corrupt(f"segment {self.path}: payload does not decode ({_one_line(e)})")
         return Reading(
             snapshot=snapshot,
             seq=seq,
@@ -375,7 +383,13 @@ def _lenient_record(
     if not isinstance(values, list):
         return f"a {prefix.rstrip('.')} record is {type(values).__name__}, not an array"
     hints = _HINTS[record]
-    kwargs = {}
+    kwargs: dict[str, object] = {}
+    for name in record.__struct_fields__[len(values) :]:
+        # Past the record's end: not sent, so null (unsupported), never the default; an
+        # identity field cannot be null, so the record names no rank or pool.
+        if name in IDENTITY_FIELDS or hints[name] is str:
+            return f"{prefix}{name} is missing: the record has {len(values)} fields"
+        kwargs[name] = None
     for name, value in zip(record.__struct_fields__, values):
         try:
             kwargs[name] = msgspec.convert(value, hints[name])
@@ -388,8 +402,9 @@ def _lenient_record(
 
 
 def decode_lenient(payload: bytes | memoryview) -> tuple[Snapshot, tuple[str, ...]] | str:
-    """Decode a payload whose typed decode failed: each value of the wrong type becomes
-    None and is named in the tuple; a wrong structure or identity field is the error."""
+    """Decode a payload field by field: each value of the wrong type becomes None and is
+    named in the tuple, each field past a record's end is None (not named: unsent); a
+    wrong structure, or an identity field wrong or missing, is the error."""
     try:
         obj = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:

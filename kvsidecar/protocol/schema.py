@@ -10,8 +10,8 @@ Evolution rule (kvcached's, made mechanical by positional encoding):
 
 * New optional fields are **appended** to the end of a record with a default
   of ``None``; that is a minor version bump. An older reader ignores trailing
-  fields it does not know; a newer reader fills fields an older writer did not
-  send with their default.
+  fields it does not know; a newer reader reads fields an older writer did not
+  send as ``None`` (never a default: schema.md, "Values").
 * A missing field (``None``) means *unsupported by this writer*, never zero.
 * The major version changes only when an existing field's meaning, type or
   position changes. A reader refuses a different major version.
@@ -40,6 +40,32 @@ SCHEMA_VERSION = f"kvsidecar.snapshot.v{SCHEMA_MAJOR}.{SCHEMA_MINOR}"
 ROLES = ("prefill", "decode", "both")
 
 
+class _Unsent:
+    """Records built without their last field whose default is not null, counted.
+
+    A typed decode fills the fields past a record's end with their defaults, so a record
+    cut short (a runtime ``[]``) would read the writer's defaults, engine "unknown" and
+    pid 0, where nothing was sent. A record short of any such field lacks the last one, so
+    that field alone has a counting default factory: a reader compares `unsent_count()`
+    around its decode, which costs nothing on a whole record, and reads a short one field
+    by field (reader.decode_lenient: null, or Corrupt for an identity field). A writer
+    that leaves the field unset counts too; a false alarm only takes the slower path."""
+
+    count = 0
+
+
+def _counted(value: object) -> Any:
+    def factory() -> object:
+        _Unsent.count += 1
+        return value
+
+    return factory
+
+
+def unsent_count() -> int:
+    return _Unsent.count
+
+
 class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     """Engine-process state for one rank. Counts are instantaneous unless named ``*_total``."""
 
@@ -66,7 +92,7 @@ class RuntimeSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=False):
     device_free_bytes: int | None = None
     # Agent self-metrics: errors while publishing, and how long the previous publish took.
     publish_errors_total: int = 0
-    last_publish_duration_ns: int = 0
+    last_publish_duration_ns: int = msgspec.field(default_factory=_counted(0))  # see _Unsent
     # -- v1.3 ------------------------------------------------------------------
     # Id shared by every rank of one engine instance (its DP ranks): readers sum across
     # DP ranks only within one instance, never across two engines that look alike.
@@ -114,7 +140,7 @@ class KVCachePoolSnapshot(msgspec.Struct, array_like=True, kw_only=True, gc=Fals
     virtual_per_layer_bytes: int = 0
     virtual_total_bytes: int = 0  # virtual_per_layer_bytes x num_layers
     mapped_bytes: int = 0  # physically backed bytes of the pool
-    in_shrink: bool = False
+    in_shrink: bool = msgspec.field(default_factory=_counted(False))  # see _Unsent
     shrink_target_blocks: int | None = None
     deferred_free_requests: int | None = None
     deferred_free_blocks: int | None = None  # held by deferred requests, shared counted once
@@ -248,7 +274,9 @@ def encode_snapshot(snapshot: Snapshot) -> bytes:
 
 
 def decode_snapshot(payload: bytes | memoryview) -> Snapshot:
-    """Decode a payload; raises msgspec.DecodeError / ValidationError on bad input."""
+    """Decode a payload by type alone; raises msgspec.DecodeError / ValidationError on bad
+    input. A record cut short gets defaults here: `SegmentReader.read` applies schema.md's
+    value rules (a missing or wrong value reads as null, an identity one is Corrupt)."""
     return _SNAPSHOT_DECODER.decode(payload)
 
 
@@ -309,7 +337,9 @@ def field_order_error(caps: Capabilities) -> str | None:
     Readers decode by position, outside readers zip positions with the directory's
     names: both give the same values only if every name a reader knows sits at the
     position this major gives it. A newer minor may append names, an older one may
-    have fewer; any other difference is a reorder, which needs a new major."""
+    have fewer; any other difference is a reorder, which needs a new major. A name listed
+    twice (`step` again after the last known name) is refused too: zipping names gives the
+    later position's value, decoding by position the earlier one."""
     for key, record in (
         ("snapshot_fields", Snapshot),
         ("runtime_fields", RuntimeSnapshot),
@@ -319,6 +349,9 @@ def field_order_error(caps: Capabilities) -> str | None:
         for i, (got, want) in enumerate(zip(names, ours)):
             if got != want:
                 return f"{key}[{i}] is {got!r}, schema major {SCHEMA_MAJOR} has {want!r} there"
+        if len(set(names)) != len(names):
+            twice = next(n for i, n in enumerate(names) if n in names[:i])
+            return f"{key} lists {twice!r} twice"
     if list(caps.snapshot_fields[:2]) != ["runtime", "pools"]:
         return "snapshot_fields must start with 'runtime', 'pools'"
     return None

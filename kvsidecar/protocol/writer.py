@@ -134,7 +134,9 @@ class SegmentWriter:
             )
         wrong = field_order_error(caps)
         if wrong is not None:
-            raise SegmentError(f"capabilities: {wrong}: names must keep this major's order")
+            raise SegmentError(
+                f"capabilities: {wrong}: names must keep this major's order, each once"
+            )
         if len(directory) > MAX_DIRECTORY_BYTES:
             raise SegmentError(
                 f"directory of {len(directory)} bytes > {MAX_DIRECTORY_BYTES}: "
@@ -430,14 +432,17 @@ def _install_unlock(dir_fd: int, name: str, lfd: int) -> None:
 
 def close_for_writers(shm_dir: str, pids: Collection[int], *, dead_only: bool = True) -> list[str]:
     """Do a writer's close() for it: mark CLOSED and unlink each segment in shm_dir whose
-    header names one of pids as its writer (and, with dead_only, whose writer lock nobody
-    holds any more).
+    header names one of pids as its writer, and whose writer lock nobody holds any more
+    (``dead_only``) or is still held (``dead_only=False``).
 
     For a supervisor stopping its own children: vLLM's process manager SIGKILLs an engine
     core right after SIGTERM (``--shutdown-timeout 0``), before it can close its segment, and
     a stop would otherwise read as a crash. ``dead_only=False`` is for the moment just before
-    such a kill (the writer is still alive but about to go). Never touches another user's
-    file or a name a new writer has taken since. Returns the names closed.
+    such a kill: the writer must still be alive, so a writer that already crashed is never
+    closed as if it had stopped cleanly (its segment must read dead). The caller passes only
+    children it is stopping (alive when the stop began) with ``dead_only`` after the kill.
+    Never touches another user's file or a name a new writer has taken since. Returns the
+    names closed.
     """
     closed: list[str] = []
     if not pids:
@@ -472,15 +477,15 @@ def _close_for(
             return False
         if layout.Header(raw).writer_pid not in pids:
             return False
-        if dead_only and liveness.write_locked(fd):
-            return False
+        if liveness.write_locked(fd) == dead_only:  # dead_only: a live writer is left alone;
+            return False  # else a dead one is (it crashed: never "closed cleanly" for it)
         try:
             lock = _install_lock(dir_fd, shm_dir, name)  # no successor is installing
         except (OSError, SegmentError):
             return False
         try:
             same = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == st.st_ino
-            if not same or (dead_only and liveness.write_locked(fd)):
+            if not same or liveness.write_locked(fd) == dead_only:
                 return False
             os.pwrite(fd, bytes([layout.STATE_CLOSED]), layout.OFF_STATE)  # readers' maps see it
             os.unlink(name, dir_fd=dir_fd)

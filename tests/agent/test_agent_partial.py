@@ -89,8 +89,18 @@ def test_long_model_name_is_shortened_not_refused(tmp_path: Path) -> None:
     model = "/models/" + "org-" * 60 + "Llama-3.1-8B-Instruct"  # ~270 characters
     snap = published_model_name(tmp_path, model)
     name = snap.runtime.model_name
-    assert len(name) == LABEL_MAX and "\u2026" in name and name.endswith("Llama-3.1-8B-Instruct")
-    assert len(snap.pools[0].pool_name) == LABEL_MAX
+    assert len(name.encode()) == LABEL_MAX and "\u2026" in name
+    assert name.endswith("Llama-3.1-8B-Instruct")
+    assert len(snap.pools[0].pool_name.encode()) == LABEL_MAX
     budget.check(snap, budget.Budget())  # the daemon serves it: no OverBudget
     other = published_model_name(tmp_path, "x" + model, dp_rank=1).runtime.model_name
     assert other != name, "two long names stay distinct"
+
+
+def test_long_non_ascii_model_name_is_shortened_in_bytes(tmp_path: Path) -> None:
+    """The daemon counts UTF-8 bytes (issue 31 item 2): 100 emoji are 100 characters but
+    400 bytes, and were published whole, then refused by every default daemon."""
+    snap = published_model_name(tmp_path, "\U0001f600" * 100 + "-8B")
+    name = snap.runtime.model_name
+    assert len(name.encode()) <= LABEL_MAX and "\u2026" in name and name.endswith("-8B")
+    budget.check(snap, budget.Budget())  # the daemon serves it: no OverBudget

@@ -161,9 +161,70 @@ def test_a_writer_keeps_within_a_default_daemons_label_budget(shm_dir: str) -> N
         targets.stop()
         assert view.state == "up", view.error
         assert view.last.snapshot.runtime.model_name == shorten(long)
-        assert len(shorten(long)) == MAX_LABEL_LENGTH and "\u2026" in shorten(long)
+        assert len(shorten(long).encode()) == MAX_LABEL_LENGTH and "\u2026" in shorten(long)
         names = [p.pool_name for p in view.last.snapshot.pools]
         assert names[1] == "q" * MAX_LABEL_LENGTH
-        assert len(names[0]) == MAX_LABEL_LENGTH and "\u2026" in names[0]
+        assert len(names[0].encode()) == MAX_LABEL_LENGTH and "\u2026" in names[0]
     finally:
         agent.close()
+
+
+class _Raising:
+    """A pool source that works at registration, then raises once ``broken``, or makes
+    the payload too large for its slot once ``huge``."""
+
+    broken = huge = False
+
+    def snapshot(self) -> KVCachePoolSnapshot:
+        if self.broken:
+            raise RuntimeError("pool source broken")
+        return KVCachePoolSnapshot(pool_name="flaky", pool_type="x" * (20_000 * self.huge))
+
+
+def test_step_counts_what_the_documents_say(shm_dir: str) -> None:
+    """Issue 30 item 7: schema.md's step row said calls with a raising pool source or a
+    refused argument do not count, and segment-format.md section 6 that a bad count keeps
+    its previous value; both publish and count a step, and a bad deferred count is null."""
+    import os
+
+    from tests.conftest import REPO
+
+    agent = KVSidecarAgent("e", "m", shm_dir=shm_dir, device="cpu")
+    agent.register_pool(_pool())
+    agent.step(3, 2, 1)
+    assert _runtime(agent, shm_dir).runtime.step == 1
+    flaky = _Raising()
+    agent.register_pool(flaky)
+    flaky.broken = True
+    agent.step(4, 2)  # a pool left out: published, counted
+    r = _runtime(agent, shm_dir).runtime
+    assert (r.step, r.requests_running, r.publish_errors_total) == (2, 4, 1)
+    agent.step("x", float("nan"), "y")  # no value is a count: published, counted
+    r = _runtime(agent, shm_dir).runtime
+    assert (r.step, r.requests_running, r.requests_waiting) == (3, 4, 2)  # previous values
+    assert r.requests_deferred_free_distinct is None  # null for that step
+    assert r.requests_deferred_free == 0  # v1.0: the largest pool count (none deferred)
+    assert r.publish_errors_total == 2  # once per call, however many parts it dropped
+    flaky.broken, flaky.huge = False, True
+    agent.step(5, 2)  # reached the publish, which failed (too_large): counted
+    flaky.huge = False
+    agent.step(6, 2)
+    assert _runtime(agent, shm_dir).runtime.step == 5
+    agent.close()
+    flat = {}
+    for doc in ("schema.md", "segment-format.md"):
+        with open(os.path.join(REPO, "docs", doc)) as f:
+            flat[doc] = " ".join(f.read().split())
+    assert "whose arguments were refused do not count" not in flat["schema.md"]
+    assert (
+        "it counts the calls that reached the publish, those with a pool source that raised "
+        "or a value that was not a count included" in flat["schema.md"]
+    )
+    section6 = flat["segment-format.md"]
+    assert "a step() value that is not a count keeps its previous value" not in section6
+    for rule in (
+        "a `requests_running` or `requests_waiting` that is not a count keeps its previous "
+        "value; a `requests_deferred_free` that is not a count reads as null for that step",
+        "Each such call still publishes, counts a step and counts once in `publish_errors_total`",
+    ):
+        assert rule in section6, rule

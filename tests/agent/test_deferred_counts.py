@@ -36,6 +36,19 @@ def _scrape(shm_dir: str, *agents: KVSidecarAgent) -> str:
     return render_text(SnapshotCollector(lambda: views).collect()).decode()
 
 
+def test_a_deferred_request_without_blocks_is_neither_running_nor_deferred() -> None:
+    """Issue 30 item 3: it was counted as running (num_running 1, expected 0)."""
+    pool = _pool()
+    pool.allocate_prompt("z", [])
+    assert pool.num_running == 1
+    assert pool.finish("z", "pd") is True
+    assert (pool.num_running, pool.stats.deferred_free_requests) == (0, 0)
+    _defer(pool, "r")
+    assert (pool.num_running, pool.stats.deferred_free_requests) == (0, 1)
+    assert pool.release("z", "pd") and pool.release("r", "pd")
+    assert (pool.num_running, pool.stats.deferred_free_requests) == (0, 0)
+
+
 KVCACHED = {"total_blocks": 100, "allocated_blocks": 10, "num_layers": 2}
 
 

@@ -579,6 +579,8 @@ class PoolMachine(RuleBasedStateMachine):
             assert m.refs.get(b, 0) == 0
         got = pool.snapshot()
         want = self.expected()
+        # Issue 30 item 3: a deferred request is not running, whether it holds a block or not.
+        assert pool.num_running == len(self._live()), "num_running"
         # The oldest deferral: the earliest-deferred request still deferred (dict order is
         # deferral order in the model), its stamp within that call's clock bracket.
         stamps = [q.deferred_at for q in m.reqs.values() if q.pending is not None and q.table]

@@ -126,7 +126,7 @@ def test_long_label_value_is_refused_and_last_good_labels_kept(shm_dir: str) -> 
         w.publish(huge)
         ts.poll_all()
         view = ts.targets[EVIL].view
-        assert view.state == REFUSED and "model_name is 4096 characters" in view.error
+        assert view.state == REFUSED and "model_name is 4096 bytes" in view.error
         assert view.budget_refusals_total == {"label_length": 1}
         # The over-budget snapshot is never kept: health series keep the last good labels.
         assert view.last is not None and view.last.snapshot.runtime.model_name == "tiny"
@@ -135,7 +135,7 @@ def test_long_label_value_is_refused_and_last_good_labels_kept(shm_dir: str) -> 
         long_pool.pools[1].pool_name = "p" * 300
         w.publish(long_pool)
         ts.poll_all()
-        assert "pool_name is 300 characters" in ts.targets[EVIL].view.error
+        assert "pool_name is 300 bytes" in ts.targets[EVIL].view.error
         w.publish(sample_snapshot(4))  # back within budget: served again
         ts.poll_all()
         assert ts.targets[EVIL].view.state == UP
@@ -221,9 +221,8 @@ def test_huge_directory_is_refused_before_it_is_decoded(
     # A hostile writer: ours refuses to create such a directory.
     monkeypatch.setattr(writer, "MAX_DIRECTORY_BYTES", 1 << 30)
     caps = current_capabilities()
-    huge = Capabilities(
-        **{**msgspec.structs.asdict(caps), "pool_fields": [*caps.pool_fields, *[""] * 100_000]}
-    )
+    names = [*caps.pool_fields, *(f"{i:x}" for i in range(100_000))]  # distinct: see writer
+    huge = Capabilities(**{**msgspec.structs.asdict(caps), "pool_fields": names})
     w = SegmentWriter(EVIL, shm_dir=shm_dir, capabilities=huge)
     try:
         w.publish(sample_snapshot(1))

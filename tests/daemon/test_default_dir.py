@@ -64,3 +64,52 @@ def test_a_clean_close_is_logged_as_one_not_as_a_crash(shm_dir: str, caplog) -> 
     assert len(transitions) == 1 and transitions[0].levelno == logging.INFO
     assert "not found" not in transitions[0].getMessage()
     assert not [r for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+@pytest.fixture
+def default_dir(monkeypatch: pytest.MonkeyPatch):
+    parent = tempfile.mkdtemp(prefix="kvsidecar-default-", dir="/dev/shm")
+    path = os.path.join(parent, "kvsidecar")
+    monkeypatch.setattr(targets_mod, "DEFAULT_SHM_DIR", path)
+    yield path
+    shutil.rmtree(parent, ignore_errors=True)
+
+
+def _warnings(path: str, caplog: pytest.LogCaptureFixture) -> list[str]:
+    import logging
+
+    ts = TargetSet(path, prefix="kvsidecar.", allowed_uids=frozenset({os.geteuid()}))
+    with caplog.at_level(logging.WARNING, logger="kvsidecar.targets"):
+        for _ in range(3):
+            ts.discover()
+    ts.stop()
+    return [r.getMessage() for r in caplog.records if r.getMessage().startswith(path)]
+
+
+@pytest.mark.parametrize("shape", ["symlink", "foreign_owner"])
+def test_a_default_directory_someone_else_made_is_warned_of_once(
+    default_dir: str, shape: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Issue 31 item 11: /dev/shm is everyone's; whoever creates /dev/shm/kvsidecar first
+    (a symlink elsewhere, or a directory of their own) chose where segments are read from.
+    bca725e said nothing."""
+    if shape == "symlink":
+        real = default_dir + ".elsewhere"
+        os.mkdir(real, 0o750)
+        os.symlink(real, default_dir)
+        expected = f"{default_dir} is a symlink to {real}"
+    else:
+        if os.geteuid() != 0:
+            pytest.skip("needs root to create a directory of another uid")
+        os.mkdir(default_dir, 0o750)
+        os.chown(default_dir, 54321, 54321)
+        expected = f"{default_dir} is owned by uid 54321"
+    said = _warnings(default_dir, caplog)
+    assert len(said) == 1 and said[0].startswith(expected), said
+
+
+def test_our_own_default_directory_is_not_warned_of(
+    default_dir: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    os.mkdir(default_dir, 0o750)
+    assert _warnings(default_dir, caplog) == []

@@ -6,8 +6,12 @@ from __future__ import annotations
 
 import os
 
+import msgspec
+
+from kvsidecar.bench import hostile_writers as hw
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
+from tests.procs import wait_for
 from tests.protocol_helpers import sample_snapshot
 
 
@@ -44,3 +48,36 @@ def test_a_live_engine_displaces_junk_at_the_cap(shm_dir: str) -> None:
             for _ in range(3):
                 ts.poll_all()
             assert {"kvsidecar.live.dp0.tp0.pp0", "kvsidecar.live2.dp0.tp0.pp0"} <= set(ts.targets)
+
+
+def test_segments_up_once_then_dead_yield_their_place(shm_dir: str) -> None:
+    """Issue 31 item 8: a crash loop's segments, each up once and then dead (SIGKILL, the
+    file left behind), held every slot: on bca725e a new engine was never served."""
+    payload = msgspec.msgpack.encode(sample_snapshot(1))
+    names = [f"kvsidecar.crash{i}.dp0.tp0.pp0" for i in range(4)]
+    pids = [hw.raw_writer(shm_dir, n, payload) for n in names]
+    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0, max_targets=4)
+    try:
+
+        def all_up() -> bool:
+            ts.poll_all()
+            return all(n in ts.targets and ts.targets[n].view.up for n in names)
+
+        assert wait_for(all_up, timeout=30), ts.views()
+        hw._kill(pids)  # dead, files left behind
+        ts.poll_all()
+        assert all(ts.targets[n].view.state == "dead" for n in names), ts.views()
+        with SegmentWriter("kvsidecar.live.dp0.tp0.pp0", shm_dir=shm_dir) as live:
+            live.publish(sample_snapshot(2))
+            for _ in range(3):
+                ts.poll_all()
+            assert ts.targets["kvsidecar.live.dp0.tp0.pp0"].view.state == "up", sorted(ts.targets)
+            assert len(ts.targets) == 4, "the cap still holds"
+            # The dead one displaced stays refused: a dead file never displaces a live one.
+            for _ in range(3):
+                ts.poll_all()
+            assert "kvsidecar.live.dp0.tp0.pp0" in ts.targets
+            assert sum(t.view.state == "dead" for t in ts.targets.values()) == 3
+    finally:
+        hw._kill(pids)
+        ts.stop()

@@ -16,20 +16,36 @@ import time
 
 import pytest
 
-from kvsidecar.daemon.targets import TargetSet
+from kvsidecar.daemon.app import view_record
+from kvsidecar.daemon.collector import SnapshotCollector
+from kvsidecar.daemon.exposition import render_text
+from kvsidecar.daemon.targets import TargetSet, TargetView
+from tests.daemon.scrape import samples
 
 NAME = "kvsidecar.ns.dp0.tp0.pp0"
 WRITER = """
 import sys, time
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.protocol_helpers import sample_snapshot
+DEFERRED = 2.0
 w = SegmentWriter(sys.argv[1], shm_dir=sys.argv[2])
 step = 0
 while True:
     step += 1
-    w.publish(sample_snapshot(step))
+    snap = sample_snapshot(step)
+    # A request deferred DEFERRED s ago, on this namespace's clock.
+    snap.pools[0].oldest_deferred_free_mono_ns = time.monotonic_ns() - int(DEFERRED * 1e9)
+    w.publish(snap)
     time.sleep(0.05)
 """
+
+
+AGE = "kvsidecar_source_snapshot_age_seconds"
+DEFERRED_AGE = "kvsidecar_kv_pool_oldest_deferred_free_age_seconds"
+
+
+def _text(view: TargetView) -> str:
+    return render_text(SnapshotCollector(lambda: [view]).collect()).decode()
 
 
 def uptime() -> float:
@@ -77,6 +93,21 @@ def test_liveness_by_progress_whatever_the_writer_clock(shm_dir: str, offset: st
         ts = TargetSet(shm_dir, prefix="kvsidecar.", stale_after=1.0, rediscover_interval=0.0)
         # A live writer is up (on cb621d7, one behind read stale forever).
         assert poll_until(ts, "up", 15.0) == "up"
+        # Its exported age is on our clock too (issue 31 item 11: on bca725e a live writer
+        # behind read its clock offset, thousands of seconds). Up means progress seen
+        # within stale_after, so the age cannot be more.
+        view = ts.targets[NAME].view
+        assert view.up and 0 <= view.age_seconds() <= ts.stale_after, view.age_seconds()
+        assert 0 <= view_record(view)["age_seconds"] <= ts.stale_after
+        text = _text(view)
+        ages = [v for n, _, v in samples(text) if n == AGE]
+        assert len(ages) == 1 and 0 <= ages[0] <= ts.stale_after, ages
+        # A pool's deferral stamp too: about 2 s, never the clock offset (on bca725e,
+        # 1000s of s behind; a writer ahead read 0). Bounded by the shift, not by time.
+        pool0 = [
+            v for n, lab, v in samples(text) if (n, lab.get("pool")) == (DEFERRED_AGE, "pool0")
+        ]
+        assert len(pool0) == 1 and 1.0 <= pool0[0] < abs(shift) / 2, pool0
         # Hung (SIGSTOP the whole namespace's processes): stale within stale_after plus a
         # poll or two (on cb621d7, one ahead stayed up forever). Generous for a loaded host.
         _stop_all(writer)

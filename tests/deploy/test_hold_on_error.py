@@ -15,6 +15,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.procs import wait_for
+from tests.test_operator_cli import _healthy
+
 EXIT_USAGE = 2
 
 
@@ -140,3 +143,62 @@ def test_sigterm_during_start_is_not_lost(tmp_path: Path, busy_port: socket.sock
             held.wait()
         os.close(r)
         busy_port.close()
+
+
+def _held(tmp_path: Path, *args: str) -> tuple[subprocess.Popen, Path]:
+    log = tmp_path / "stderr.log"
+    env = {**os.environ, "KVSIDECAR_HOLD_ON_ERROR": "true"}
+    argv = [sys.executable, "-m", "kvsidecar", "serve", "--shm-dir", str(tmp_path), *args]
+    with open(log, "w") as err:
+        proc = subprocess.Popen(argv, env=env, stdout=subprocess.DEVNULL, stderr=err)
+    return proc, log
+
+
+def _stop(proc: subprocess.Popen) -> int:
+    proc.send_signal(signal.SIGTERM)
+    try:
+        return proc.wait(30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+
+
+def test_held_start_retries_until_the_port_is_free(tmp_path: Path) -> None:
+    """Issue 31 item 10: a port squatted for a few seconds at start left the held daemon
+    up and serving nothing for ever on bca725e. Now it retries, with back-off, in place
+    (the same pid)."""
+    squatter = socket.socket()
+    squatter.bind(("127.0.0.1", 0))
+    squatter.listen()
+    port = squatter.getsockname()[1]
+    proc, log = _held(tmp_path, "--web.listen-address", f"127.0.0.1:{port}")
+    try:
+        assert wait_for(lambda: "staying up" in log.read_text(), timeout=60), log.read_text()
+        squatter.close()
+        assert wait_for(lambda: _healthy(port), timeout=120), log.read_text()
+        assert proc.poll() is None
+        assert "retrying in" in log.read_text()
+    finally:
+        squatter.close()
+        assert _stop(proc) == 0, log.read_text()
+
+
+def test_a_fixed_web_config_is_picked_up_while_holding(tmp_path: Path) -> None:
+    """The web config fixed, then SIGHUP (as after a ConfigMap update): bca725e ignored
+    both while holding. The retry also comes on its own, after the back-off."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    web = tmp_path / "web.yml"
+    web.write_text("tls_server_config:\n  cert_file: /nonexistent.crt\n")
+    args = ("--web.listen-address", f"127.0.0.1:{port}", "--web.config.file", str(web))
+    proc, log = _held(tmp_path, *args)
+    try:
+        assert wait_for(lambda: "staying up" in log.read_text(), timeout=60), log.read_text()
+        web.write_text("{}\n")  # no TLS, no auth: valid
+        proc.send_signal(signal.SIGHUP)
+        assert wait_for(lambda: _healthy(port), timeout=120), log.read_text()
+        assert proc.poll() is None
+    finally:
+        assert _stop(proc) == 0, log.read_text()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 import sys
 from pathlib import Path
 
@@ -229,3 +230,51 @@ def test_yamllint() -> None:
         [yamllint, "--strict", "-c", str(DEPLOY / ".yamllint"), *map(str, targets)], cwd=REPO
     )
     assert proc.returncode == 0, proc.stdout + proc.stderr
+
+
+def _port_names(pod: dict) -> dict[str, int]:
+    return {
+        p["name"]: p["containerPort"]
+        for c in pod["spec"].get("initContainers", []) + pod["spec"]["containers"]
+        for p in c.get("ports", [])
+    }
+
+
+def test_the_gateway_port_is_served_and_never_scraped() -> None:
+    """vllm-example.yaml serves the endpoint picker on a port named `gateway`; no shipped
+    scrape config (PodMonitor, Prometheus' pod discovery, static targets) selects it: it
+    repeats the engine's own vllm:* series, and scraping both doubles every sum."""
+    pod = dict(example_pods())["vllm-example.yaml"]
+    (sidecar,) = [c for c in pod["spec"]["initContainers"] if c["name"] == "kvsidecar"]
+    ports = _port_names(pod)
+    address = env(sidecar)["KVSIDECAR_GATEWAY_LISTEN_ADDRESS"]
+    assert ports["gateway"] == int(address.rpartition(":")[2])
+    assert pod["metadata"]["labels"]["llm-d.ai/engine-type"] == "vllm"
+    # PodMonitor: only the metrics port.
+    (endpoint,) = one("PodMonitor")["spec"]["podMetricsEndpoints"]
+    assert endpoint["port"] == "metrics" != "gateway"
+    # Prometheus' own pod discovery: the keep rule, anchored as Prometheus anchors it.
+    config = yaml.safe_load((DEPLOY / "prometheus" / "prometheus-kubernetes.yml").read_text())
+    for job in config["scrape_configs"]:
+        keeps = [r for r in job.get("relabel_configs", []) if r.get("action") == "keep"]
+        assert keeps, f"{job['job_name']}: no keep rule: it would scrape every port"
+        for rule in keeps:
+            if "__meta_kubernetes_pod_container_port_name" not in rule["source_labels"]:
+                continue
+            sep = rule.get("separator", ";")
+            values = {
+                "__meta_kubernetes_pod_container_name": "kvsidecar",
+                "__meta_kubernetes_pod_container_port_name": "gateway",
+            }
+            joined = sep.join(values.get(s, "") for s in rule["source_labels"])
+            assert not re.fullmatch(rule["regex"], joined), (job["job_name"], rule)
+            values["__meta_kubernetes_pod_container_port_name"] = "metrics"
+            joined = sep.join(values.get(s, "") for s in rule["source_labels"])
+            assert re.fullmatch(rule["regex"], joined), (job["job_name"], rule)
+    # Static targets (systemd hosts): the main port, never the gateway's.
+    static = yaml.safe_load((DEPLOY / "prometheus" / "prometheus.yml").read_text())
+    gateway_port = str(ports["gateway"])
+    for job in static["scrape_configs"]:
+        for sc in job.get("static_configs", []):
+            for target in sc["targets"]:
+                assert target.rpartition(":")[2] != gateway_port, target

@@ -99,7 +99,7 @@ def test_deferred_frees_is_the_dict_atom_sees() -> None:
     d = DeferredFrees({7: _seq(1, 2)}, clock=clock)
     d[8] = _seq(2, 3, 4)
     d[9] = SimpleNamespace()  # ATOM's own tests defer non-Sequences: no table, no blocks
-    assert (len(d), d.blocks, d.oldest_ns) == (3, 4, 100)
+    assert (len(d), d.requests, d.blocks, d.oldest_ns) == (3, 2, 4, 100)  # 9 holds none
     assert list(d) == [7, 8, 9] and isinstance(d, dict) and d == {7: d[7], 8: d[8], 9: d[9]}
     d[7] = _seq(5)  # re-set: new blocks, same start (deferred since 100)
     assert (d.blocks, d.oldest_ns) == (4, 100)  # {2,3,4} + {5}
@@ -108,10 +108,15 @@ def test_deferred_frees_is_the_dict_atom_sees() -> None:
     with pytest.raises(KeyError):
         d.pop(7)
     del d[8]
-    assert (len(d), d.blocks, d.oldest_ns) == (1, 0, 102)
+    # Issue 30 item 3: only 9 is left, holding no block: no deferral, no age (was 102).
+    assert (len(d), d.requests, d.blocks, d.oldest_ns) == (1, 0, 0, 0)
+    d[9] = _seq(8)  # the same key now holding a block: deferred from now on
+    assert (d.requests, d.blocks, d.oldest_ns) == (1, 1, 102)
+    d[9] = SimpleNamespace()
+    assert (d.requests, d.blocks, d.oldest_ns) == (0, 0, 0)
     d.setdefault(10, _seq(6))
     d |= {11: _seq(6, 7)}
-    assert (len(d), d.blocks) == (3, 2)
+    assert (len(d), d.requests, d.blocks) == (3, 2, 2)
     key, _ = d.popitem()
     assert key == 11 and d.blocks == 1
     d.clear()

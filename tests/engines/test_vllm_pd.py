@@ -15,12 +15,17 @@ from __future__ import annotations
 
 import concurrent.futures
 import os
+import re
 import statistics
 import time
+from pathlib import Path
 
 import pytest
 
+from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
+from kvsidecar.daemon import gateway_body as gb
+from tests import picker
 from tests.engines.envs import engine_python
 from tests.engines.vllm_helpers import pd
 from tests.procs import wait_for
@@ -421,6 +426,78 @@ def test_never_pulled_kv_is_held_to_the_lease_counted_as_expired_and_alerts(pair
     assert runs[-1]["alert_judged"], f"the host stalled in all {len(runs)} recordings: {runs}"
     status, out = via_proxy(pair, 30)  # the pair still serves afterwards
     assert status == 200, out
+
+
+@pytest.fixture(scope="module")
+def gateways(pair):
+    """One gateway-only daemon per side on the pair's segments (`--gateway.role`: prefill and
+    decode are both dp_rank 0 on this one host; in Kubernetes each pod has its own sidecar)."""
+    m = re.search(r"--shm-dir (\S+) --watch", Path(pair.log.name).read_text())
+    assert m, "run.sh printed no shm directory"
+    started, urls = [], {}
+    try:
+        for role in ("prefill", "decode"):
+            port = fleet.free_port()
+            daemon, _ = fleet.start_daemon(
+                m.group(1), "--gateway.listen-address", f"127.0.0.1:{port}",
+                "--gateway.role", role,
+            )  # fmt: skip
+            started.append(daemon)
+            urls[role] = f"http://127.0.0.1:{port}/metrics"
+        yield urls
+    finally:
+        for daemon in started:
+            fleet.stop_daemon(daemon)
+
+
+def picker_read(url: str) -> tuple[dict[str, float], dict]:
+    """What the endpoint picker reads (vLLM's engine config), and the parsed families."""
+    with vb.urllib.request.urlopen(url, timeout=10) as r:
+        text = r.read().decode()
+    return picker.extract(text, "vllm", 'engine="0"'), picker.parse(text)
+
+
+def gateway_agrees(pair, gateways, side: str) -> dict | None:
+    """The gateway's reading of `side` if it equals vLLM's at a quiet moment, else None."""
+    vllm_url = f"http://127.0.0.1:{pair.ports[side]}/metrics"
+    before, _ = picker_read(vllm_url)
+    ours, families = picker_read(gateways[side])
+    after, _ = picker_read(vllm_url)
+    if not before == ours == after:
+        return None
+    return {**ours, "held": families[gb.HELD_BLOCKS].samples[0][1]}
+
+
+@pytest.mark.timeout(600)
+def test_gateway_reads_as_each_sides_own_metrics_idle_and_while_kv_is_held(pair, proxy, gateways):
+    assert_all_free(pair, "before the gateway checks")
+
+    def idle(side: str) -> bool:
+        got = gateway_agrees(pair, gateways, side)
+        want = {"usage": 0, "held": 0, "block_size": 32, "running": 0, "waiting": 0}
+        return got is not None and all(got[k] == v for k, v in want.items())
+
+    for side in ("prefill", "decode"):
+        assert wait_until(lambda s=side: idle(s), 30), (side, gateway_agrees(pair, gateways, side))
+    # Prefill holds a request's KV for decode (never pulled here: it expires at the lease).
+    params = proxy.prefill(("127.0.0.1", pair.ports["prefill"]), "/v1/completions",
+                           body(30), "gateway-held")  # fmt: skip
+    n_blocks = len({b for group in params["remote_block_ids"] for b in group})
+    seen: list[dict] = []
+
+    def held_agrees() -> bool:
+        got = gateway_agrees(pair, gateways, "prefill")
+        if got is not None and got["held"] > 0:
+            seen.append(got)
+        return bool(seen)
+
+    assert wait_until(held_agrees, LEASE_S / 2), "no quiet moment while prefill held the KV"
+    held = seen[-1]
+    print(f"gateway while prefill holds {n_blocks} blocks: {held}")
+    assert held["held"] == n_blocks and held["usage"] > 0, (held, n_blocks)
+    decode = gateway_agrees(pair, gateways, "decode")
+    assert decode is None or decode["held"] == 0, decode
+    assert_all_free(pair, "after the lease")  # the hold expires; nothing is left held
 
 
 @pytest.mark.timeout(600)

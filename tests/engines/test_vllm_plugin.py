@@ -219,6 +219,20 @@ def test_agent_lines_go_through_vllms_logger(tmp_path):
     ), lines
 
 
+def _expiry_sidecar():
+    """A sidecar of one pool source with only the deferral bookkeeping set up (no vLLM)."""
+    from types import SimpleNamespace as NS
+
+    from kvsidecar.agent.engines.vllm import VllmPoolSource, VllmSidecar
+
+    src = VllmPoolSource.__new__(VllmPoolSource)
+    src.stats = NS(deferred_free_ended_total=None, deferred_free_expired_total=None)
+    src._holders, src.deferred_blocks, src.deferred_requests = {}, 0, 0
+    src._since = {}
+    src.start_deferral_counters(tracks_expiry=True)
+    return src, VllmSidecar(agent=None, sources=[src], tracks_expiry=True)
+
+
 def test_expiry_is_told_from_completed_reads_by_the_steps_own_count():
     """One step's finished_sending mixing a lease expiry and completed READs (NixlConnector
     reports only how many expired): counts exact, the expired blocks are the oldest
@@ -226,14 +240,7 @@ def test_expiry_is_told_from_completed_reads_by_the_steps_own_count():
     (tests/engines/test_vllm_pd.py)."""
     from types import SimpleNamespace as NS
 
-    from kvsidecar.agent.engines.vllm import VllmPoolSource, VllmSidecar
-
-    src = VllmPoolSource.__new__(VllmPoolSource)  # only the deferral bookkeeping is used
-    src.stats = NS(deferred_free_ended_total=None, deferred_free_expired_total=None)
-    src._holders, src.deferred_blocks, src.deferred_requests = {}, 0, 0
-    src._since = {}
-    src.start_deferral_counters(tracks_expiry=True)
-    sidecar = VllmSidecar(agent=None, sources=[src], tracks_expiry=True)
+    src, sidecar = _expiry_sidecar()
     blocks = {"old": [1, 2, 3], "mid": [4], "new": [5, 6]}
     for t, (rid, ids) in enumerate(blocks.items()):
         src._request_block_ids = lambda _rid, ids=ids: ids
@@ -253,3 +260,51 @@ def test_expiry_is_told_from_completed_reads_by_the_steps_own_count():
     step({"mid"}, expired=0)  # a completed READ
     assert (s.deferred_free_ended_total, s.deferred_free_expired_total) == (3, 1)
     assert src.deferred_requests == src.deferred_blocks == 0 and not sidecar._deferred
+
+
+def test_a_deferral_holding_no_block_is_not_counted_and_takes_no_expiry():
+    """Issue 30 item 3: the runtime deferred count included a deferral holding no block
+    (runtime 1, every pool 0), and such a deferral, being the oldest, took the step's
+    expiry that no pool then counted. The rule: a deferral counts while it holds a block."""
+    from types import SimpleNamespace as NS
+
+    src, sidecar = _expiry_sidecar()
+    requests: dict[str, object] = {}
+    scheduler = NS(requests=requests)
+    for rid, ids in (("empty", []), ("full", [1, 2])):  # "empty" defers first: the oldest
+        src._request_block_ids = lambda _rid, ids=ids: ids
+        requests[rid] = NS(request_id=rid)
+        sidecar.after_free_request(scheduler, requests[rid])
+    assert (src.deferred_requests, len(sidecar._deferred)) == (1, 1)  # runtime == pool
+    out = NS(
+        kv_connector_output=NS(
+            finished_sending={"empty", "full"},
+            kv_connector_stats=NS(data={"num_kv_expired_reqs": [1]}),
+        )
+    )
+    sidecar.note_connector_output(out)
+    for rid in ("empty", "full"):
+        sidecar.before_free_blocks(NS(request_id=rid))
+    s = src.stats
+    assert (s.deferred_free_expired_total, s.deferred_free_expired_blocks_total) == (1, 2)
+    assert src.deferred_requests == 0 and not sidecar._deferred
+
+
+def test_ended_blocks_are_summed_per_request_shared_blocks_once_each():
+    """Issue 30 item 8a, as schema.md and metrics.md now say: deferred_free_ended_blocks_total
+    adds the blocks each ended deferral held (a shared block once per request), while
+    deferred_free_blocks counts a shared block once."""
+    from types import SimpleNamespace as NS
+
+    src, sidecar = _expiry_sidecar()
+    requests: dict[str, object] = {}
+    scheduler = NS(requests=requests)
+    for rid, ids in (("a", [1, 2, 3]), ("b", [2, 3, 4])):  # 2 and 3 shared
+        src._request_block_ids = lambda _rid, ids=ids: ids
+        requests[rid] = NS(request_id=rid)
+        sidecar.after_free_request(scheduler, requests[rid])
+    assert (src.deferred_requests, src.deferred_blocks) == (2, 4)  # distinct: {1, 2, 3, 4}
+    for rid in ("a", "b"):
+        sidecar.before_free_blocks(NS(request_id=rid))
+    s = src.stats
+    assert (s.deferred_free_ended_total, s.deferred_free_ended_blocks_total) == (2, 6)

@@ -12,6 +12,7 @@ from __future__ import annotations
 import concurrent.futures
 import signal
 import subprocess
+import threading
 import time
 import urllib.request
 
@@ -19,6 +20,7 @@ import pytest
 
 from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
+from tests import picker
 from tests.engines.envs import engine_python, vllm_server_env
 
 # Long enough that the oldest hold outlives the age check's 1 s sleep however late a
@@ -53,9 +55,18 @@ def stack(tmp_path_factory):
     startup_s = time.monotonic() - t0
     daemon = None
     try:
-        daemon, url = fleet.start_daemon(str(shm), "--poll-interval", "0.1", timeout=60)
+        gateway_port = fleet.free_port()
+        daemon, url = fleet.start_daemon(
+            str(shm),
+            "--poll-interval",
+            "0.1",
+            "--gateway.listen-address",
+            f"127.0.0.1:{gateway_port}",
+            timeout=60,
+        )
         yield {
             "port": port,
+            "gateway": f"http://127.0.0.1:{gateway_port}/metrics",
             "vllm": f"http://127.0.0.1:{port}/metrics",
             "kvs": f"{url}/metrics",
             "startup_s": startup_s,
@@ -169,3 +180,106 @@ def test_vllm_server_metrics_agree_and_held_kv_is_visible(stack):
     )
     assert (q_kvs, h_kvs) == (q_vllm, h_vllm)
     assert q_vllm == sum(len(p) for p in prompts) and h_vllm >= 3 * 64
+
+
+# -- the gateway endpoint (--gateway.listen-address) ---------------------------------------
+# The gateway endpoint against a real vLLM server (the `stack` of test_vllm_server.py: the
+# plugin loaded by its entry point, `kvsidecar serve --gateway.listen-address`): both bodies
+# read as the endpoint picker reads them (tests/picker.py), with vLLM's built-in engine
+# config, must give the same queue, running, usage, block size and block count.
+#
+# Settled points (nothing moving: vLLM's own value equal before and after the gateway was
+# read) must agree exactly, idle and while KV is held for a transfer. Under load each gateway
+# poll must be explained by vLLM's own series within vLLM's sampling lag: vLLM's API server
+# sets its gauges when the engine core's output for a step reaches it, so its /metrics shows
+# a step later than the segment does; a gateway sample is *exact* when vLLM showed the same
+# values within LAG_S after it, and *bracketed* when each value lies within what vLLM showed
+# within LAG_S either side (a step that vLLM's scrapes did not catch before the next one).
+
+LAG_S = 2.0  # the picker's own staleness threshold: beyond it no poll would be used
+KEYS = ("waiting", "running", "usage")
+
+
+def read(url: str) -> dict[str, float]:
+    with urllib.request.urlopen(url, timeout=10) as r:
+        assert r.status == 200
+        return picker.extract(r.read().decode(), "vllm", 'engine="0"')
+
+
+def settled_pair(stack) -> tuple[dict, dict] | None:
+    """(vLLM's, the gateway's) at one quiet moment, or None if vLLM's moved meanwhile."""
+    before = read(stack["vllm"])
+    gateway = read(stack["gateway"])
+    after = read(stack["vllm"])
+    return (before, gateway) if before == after else None
+
+
+def agree_settled(stack, what: str, tries: int = 40) -> dict[str, float]:
+    for _ in range(tries):
+        pair = settled_pair(stack)
+        if pair is not None and pair[0] == pair[1]:
+            return pair[1]
+        time.sleep(0.1)
+    raise AssertionError(f"{what}: vLLM and the gateway never agreed at a quiet moment: {pair}")
+
+
+@pytest.mark.timeout(600)
+def test_gateway_equals_vllm_settled_and_explained_under_load(stack):
+    idle = agree_settled(stack, "idle")
+    assert idle == {"waiting": 0, "running": 0, "usage": 0, "block_size": 32, "num_blocks": 128}
+
+    # Held KV (the hold connector keeps each finished request's blocks HOLD_S): usage > 0.
+    prefix = list(range(500, 564))
+    run_requests(stack, [[*prefix, 700 + i] for i in range(2)])
+    held = agree_settled(stack, "while KV is held")
+    assert held["usage"] > 0 and held["running"] == 0, held
+
+    # Under load: more requests than the KV cache holds at once, so some wait.
+    samples: list[tuple[float, str, dict[str, float]]] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            samples.append((time.monotonic(), "gateway", read(stack["gateway"])))
+            samples.append((time.monotonic(), "vllm", read(stack["vllm"])))
+
+    prompts = [[(k * 31 + j * 7) % 800 + 100 for j in range(150)] for k in range(28)]
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        with concurrent.futures.ThreadPoolExecutor(len(prompts)) as ex:
+            list(ex.map(lambda p: run_requests(stack, [p], max_tokens=24), prompts))
+    finally:
+        stop.set()
+        sampler.join(30)
+    gateway = [(t, v) for t, who, v in samples if who == "gateway"]
+    engine = [(t, v) for t, who, v in samples if who == "vllm"]
+    exact = bracketed = 0
+    unexplained = []
+    for t, g in gateway:
+        after = [v for te, v in engine if t <= te <= t + LAG_S]
+        around = [v for te, v in engine if t - LAG_S <= te <= t + LAG_S]
+        if any(all(v[k] == g[k] for k in KEYS) for v in after):
+            exact += 1
+        elif around and all(
+            min(v[k] for v in around) <= g[k] <= max(v[k] for v in around) for k in KEYS
+        ):
+            bracketed += 1
+        else:
+            unexplained.append((t, g))
+    busy = sum(1 for _, g in gateway if g["running"] > 0)
+    waited = max(g["waiting"] for _, g in gateway)
+    print(
+        f"under load: {len(gateway)} gateway polls ({busy} with requests running, up to "
+        f"{waited:.0f} waiting), {len(engine)} vLLM scrapes; {exact} exact, {bracketed} "
+        f"bracketed, {len(unexplained)} unexplained"
+    )
+    assert busy > 0, "the load never showed as running requests"
+    # A state vLLM held for a single step (e.g. nothing scheduled while the cache was full)
+    # can fall between two of vLLM's own scrapes: at most 2 % of the polls, never a trend.
+    assert len(unexplained) <= max(1, len(gateway) // 50), unexplained[:5]
+    assert exact >= 0.9 * len(gateway), (exact, len(gateway))
+
+    # Settled again once everything has finished and every hold has ended.
+    assert wait_until(lambda: read(stack["vllm"])["usage"] == 0, HOLD_S + 60)
+    assert agree_settled(stack, "after the load") == idle

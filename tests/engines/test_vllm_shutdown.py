@@ -14,6 +14,7 @@ import concurrent.futures
 import os
 import signal
 import subprocess
+import time
 import urllib.request
 
 import pytest
@@ -110,4 +111,112 @@ def test_preemptions_match_vllm_and_a_default_stop_is_a_clean_close(tmp_path, tm
                 daemon.wait(10)
             except subprocess.TimeoutExpired:
                 daemon.kill()
+        vb.stop_server(server)
+
+
+def _engine_core(server_pid: int) -> int:
+    """The EngineCore process among the API server's descendants (vLLM names it)."""
+    from kvsidecar.bench import proccount
+
+    for pid in proccount.tree(server_pid)[1:]:
+        try:
+            with open(f"/proc/{pid}/cmdline", "rb") as f:
+                if b"EngineCore" in f.read():
+                    return pid
+        except OSError:
+            continue
+    raise AssertionError(f"no EngineCore process under {server_pid}")
+
+
+def _source_up_series(metrics_url: str) -> tuple[str, float] | None:
+    """The exposition line of the segment's kvsidecar_source_up, as Prometheus stores it."""
+    with urllib.request.urlopen(metrics_url, timeout=5) as r:
+        for line in r.read().decode().splitlines():
+            if line.startswith("kvsidecar_source_up{") and f'segment="{SEGMENT}"' in line:
+                series, _, value = line.rpartition(" ")
+                return series, float(value)
+    return None
+
+
+def _source_down_fires(series: str, value: float, tmp_path) -> bool:
+    """promtool's verdict on the shipped rules: does KvsidecarSourceDown fire for `series`
+    held at `value` (scraped every 15 s) after 2 minutes? Asked as "no alert expected", so
+    promtool's failure lists what fired (its annotations need not be restated here)."""
+    import yaml
+
+    from tests.deploy.support import DEPLOY, require_tool
+
+    promtool = require_tool("promtool", "apt-get install prometheus")
+    test = {
+        "rule_files": [str(DEPLOY / "prometheus" / "kvsidecar-rules.yml")],
+        "evaluation_interval": "15s",
+        "tests": [{
+            "interval": "15s",
+            "input_series": [{"series": series, "values": f"{value:g}x12"}],
+            "alert_rule_test": [
+                {"eval_time": "2m", "alertname": "KvsidecarSourceDown", "exp_alerts": []}
+            ],
+        }],
+    }  # fmt: skip
+    path = tmp_path / "source-down.test.yml"
+    path.write_text(yaml.safe_dump(test))
+    out = subprocess.run([promtool, "test", "rules", str(path)], capture_output=True, text=True)
+    text = out.stdout + out.stderr
+    if out.returncode == 0:
+        return False
+    got = text.partition("got:")[2]
+    assert got, text  # failed for another reason than a firing alert
+    return f'segment="{SEGMENT}"' in got and 'severity="warning"' in got
+
+
+@pytest.mark.timeout(420)
+def test_a_crashed_engine_core_reads_dead_never_closed_cleanly(tmp_path, tmp_path_factory):
+    """SIGKILL of vLLM's EngineCore alone (an OOM kill, a crash): vLLM's API server logs
+    "engine core exited unexpectedly" and shuts down, running the process manager's shutdown
+    that our plugin wraps. The crashed core's segment must read dead, stay exported as
+    kvsidecar_source_up 0, and fire KvsidecarSourceDown (promtool, shipped rules); it was
+    read "closed cleanly" and forgotten within a second, so no alert could fire."""
+    python = engine_python("vllm")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    port = fleet.free_port()
+    env = vllm_server_env(shm, tmp_path_factory)
+    cmd = vb.server_command(python, vb.write_model(tmp_path / "model"), port, num_gpu_blocks=64)
+    log = tmp_path / "server.log"
+    server = vb.start_server(cmd, env, log, timeout=240)
+    daemon = None
+    try:
+        daemon, url = fleet.start_daemon(str(shm), "--poll-interval", "0.1", timeout=60)
+        core = _engine_core(server.pid)
+        os.kill(core, signal.SIGKILL)
+        record: dict = {}
+
+        def dead() -> bool:
+            nonlocal record
+            targets = _json(f"{url}/api/v1/snapshots")["targets"]
+            record = next((t for t in targets if t["segment"] == SEGMENT), {})
+            return record.get("state") == "dead"
+
+        assert wait_for(dead, 30, 0.2), record
+        # vLLM cleans up after the dead core (its API server exits or stops serving): wait
+        # for that cleanup, then the segment must still read as a crash.
+        try:
+            server.wait(60)
+        except subprocess.TimeoutExpired:
+            pass
+        assert wait_for(
+            lambda: "exited unexpectedly" in log.read_text() or server.poll() is not None, 60
+        )
+        for _ in range(3):  # across several polls and a rediscovery
+            assert dead(), record
+            assert "closed cleanly" not in str(record.get("error")), record
+            assert record.get("error_kind", "") != "closed", record
+            time.sleep(1.0)
+        assert (shm / SEGMENT).exists(), "a crashed core's segment was unlinked as if closed"
+        found = _source_up_series(f"{url}/metrics")
+        assert found is not None and found[1] == 0, found
+        assert _source_down_fires(*found, tmp_path), found
+    finally:
+        if daemon is not None:
+            fleet.stop_daemon(daemon)
         vb.stop_server(server)

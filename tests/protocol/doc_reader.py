@@ -140,13 +140,24 @@ def _read_mapped(mm: mmap.mmap, size: int, retries: int) -> DocResult:
     for key, kind in DIRECTORY_KEYS.items():
         if not isinstance(caps.get(key), kind) or isinstance(caps[key], bool):
             return DocResult("corrupt")
-    # Section 5: every name this reader knows sits at the position schema.md gives it.
+    for key in ("snapshot_fields", "runtime_fields", "pool_fields"):  # "arrays of str"
+        if not all(isinstance(n, str) for n in caps[key]):
+            return DocResult("corrupt")
+    features = caps.get("features", {})  # "a map of names to booleans", else Corrupt
+    if not isinstance(features, dict) or not all(
+        isinstance(k, str) and isinstance(v, bool) for k, v in features.items()
+    ):
+        return DocResult("corrupt")
+    # Section 4: every name this reader knows sits at the position schema.md gives it, and
+    # no name is listed twice.
     for names, known in (
         (caps["snapshot_fields"], ["runtime", "pools"]),
         (caps["runtime_fields"], RUNTIME_FIELDS),
         (caps["pool_fields"], POOL_FIELDS),
     ):
         if any(a != b for a, b in zip(names, known)) or len(caps["snapshot_fields"]) < 2:
+            return DocResult("corrupt")
+        if len(set(names)) != len(names):
             return DocResult("corrupt")
     head = {"generation": u64(32), "incarnation": u64(24), "state": mm[14]}
     # Section 3: the reader side of the latch; the last attempt decides.
@@ -184,8 +195,8 @@ def _value(v: object, kind: str) -> tuple[bool, object]:
         return isinstance(v, bool), v
     if base == "int":
         return _is_int(v) and 0 <= v < INT_LIMIT, v
-    if base == "float":
-        ok = (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and v >= 0
+    if base == "float":  # "every number is in [0, 2^63)", a float too
+        ok = (_is_int(v) or isinstance(v, float)) and math.isfinite(v) and 0 <= v < INT_LIMIT
         return ok, float(v) if ok else v
     return True, v
 
@@ -195,7 +206,13 @@ def _record(
 ) -> dict | None:
     """Zip positions with the directory's names; None if an identity value is wrong."""
     kinds = dict(table)
-    out = {}
+    out: dict[str, Any] = {}
+    # schema.md "Values": a field past the record's end reads as null, not counted; an
+    # identity field there (one that cannot be null) makes the snapshot Corrupt.
+    for name, kind in table[len(values) :]:
+        if name in IDENTITY or kind == "str":
+            return None
+        out[name] = None
     for name, v in zip(names, values):
         ok, v = _value(v, kinds.get(name, ""))
         if not ok:

@@ -65,3 +65,20 @@ def test_a_writer_about_to_be_killed_can_be_closed_first(shm_dir: str) -> None:
         ts.stop()
         os.kill(other, signal.SIGTERM)
         os.waitpid(other, 0)
+
+
+def test_a_writer_that_already_crashed_is_never_closed_before_the_kill(shm_dir: str) -> None:
+    """dead_only=False acts only for a writer still alive: vLLM runs the same pre-kill close
+    when it cleans up after a core that crashed, and that crash must read dead (issue 30)."""
+    crashed = fork_writer("kvsidecar.crashed.dp0.tp0.pp0", shm_dir)
+    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0)
+    try:
+        ts.poll_all()
+        _kill(crashed)
+        assert close_for_writers(shm_dir, {crashed}, dead_only=False) == []
+        ts.poll_all()
+        view = ts.targets["kvsidecar.crashed.dp0.tp0.pp0"].view
+        assert view.state == "dead" and "writer is gone" in view.error, view
+        assert os.listdir(shm_dir) == ["kvsidecar.crashed.dp0.tp0.pp0"]
+    finally:
+        ts.stop()

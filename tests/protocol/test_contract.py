@@ -43,7 +43,11 @@ def test_writer_refuses_a_directory_readers_would_refuse(shm_dir: str) -> None:
     reordered = Capabilities(**{**caps, "runtime_fields": swapped})
     with pytest.raises(SegmentError, match="runtime_fields"):
         SegmentWriter(NAME, shm_dir=shm_dir, capabilities=reordered)
-    huge = Capabilities(**{**caps, "pool_fields": [*caps["pool_fields"], *["x" * 60] * 1200]})
+    twice = Capabilities(**{**caps, "runtime_fields": [*caps["runtime_fields"], "step"]})
+    with pytest.raises(SegmentError, match="lists 'step' twice"):  # issue 30 item 5
+        SegmentWriter(NAME, shm_dir=shm_dir, capabilities=twice)
+    distinct = (f"x{i:059}" for i in range(1200))
+    huge = Capabilities(**{**caps, "pool_fields": [*caps["pool_fields"], *distinct]})
     with pytest.raises(SegmentError, match="directory of"):
         SegmentWriter(NAME, shm_dir=shm_dir, capabilities=huge)
     assert os.listdir(shm_dir) == []

@@ -33,7 +33,7 @@ from kvsidecar.protocol.writer import SegmentWriter
 
 from ..protocol_helpers import sample_snapshot
 from . import doc_reader
-from .test_doc_reader import _patch
+from .test_doc_reader import _patch, _slot_base
 
 NAME = "kvsidecar.corpus.dp0"
 RUNTIME = list(RuntimeSnapshot.__struct_fields__)
@@ -126,6 +126,20 @@ def _raw(data: bytes) -> Callable[[SegmentWriter], None]:
     return lambda w: w.publish_bytes(data)
 
 
+def _slot_tail(data: bytes) -> Callable[[SegmentWriter], None]:
+    """Publish, then write bytes into the slot after the payload's end (inside the slot)."""
+
+    def apply(w: SegmentWriter) -> None:
+        w.publish(sample_snapshot(9))
+        base = _slot_base(w.path)
+        with open(w.path, "rb") as f:
+            f.seek(base + 8)
+            (n,) = struct.unpack("<I", f.read(4))
+        _patch(w.path, base + 16 + n, data)
+
+    return apply
+
+
 _GOOD = msgspec.msgpack.encode(_records())
 NAN, INF = float("nan"), float("inf")
 
@@ -163,6 +177,13 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
     ("pool_names_swapped", _dir(_caps(pool_fields=_swapped(POOL, 8, 10))), "corrupt", set()),
     ("snapshot_fields_short", _dir(_caps(snapshot_fields=["runtime"])), "corrupt", set()),
     ("older_minor_fewer_names", _dir(_caps(runtime_fields=RUNTIME[:20])), "ok", set()),
+    # Issue 30 item 5: a known name again after the last known one. Zipping names reads the
+    # later value, decoding by position the earlier one: refused.
+    ("runtime_name_twice", _dir(_caps(runtime_fields=[*RUNTIME, "step"])), "corrupt", set()),
+    ("pool_name_twice", _dir(_caps(pool_fields=[*POOL, "future", "pool_name"])), "corrupt", set()),
+    ("features_not_a_map", _dir(_caps(features=["deferred_free"])), "corrupt", set()),
+    ("features_value_not_bool", _dir(_caps(features={"deferred_free": 1})), "corrupt", set()),
+    ("field_names_not_str", _dir(_caps(pool_fields=[*POOL, 7])), "corrupt", set()),
     ("newer_minor_more_names", _dir(_caps(pool_fields=[*POOL, "future_field"])), "ok", set()),
     # -- section 5: the payload -----------------------------------------------------------
     ("payload_runtime_only", _payload([_runtime()]), "corrupt", set()),
@@ -174,6 +195,17 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
     ("payload_not_msgpack", _raw(b"\xc1\xc1"), "corrupt", set()),
     ("payload_extra_element", _payload([*_records(), "future"]), "ok", set()),
     ("pool_extra_element", _payload(_records(pools=[[*_pool(), 7]])), "ok", set()),
+    ("slot_bytes_after_payload", _slot_tail(b"\xc1garbage"), "ok", set()),
+    # Issue 30 item 4: a record that ends early. A field past its end reads as null (never
+    # the writer's default: engine "unknown", pid 0, 0 blocks, 0 layers), and the snapshot
+    # is Corrupt when that field is an identity field.
+    ("runtime_empty", _payload(_records(runtime=[])), "corrupt", set()),
+    ("runtime_ends_in_identity", _payload(_records(runtime=_runtime()[:13])), "corrupt", set()),
+    ("runtime_ends_after_identity", _payload(_records(runtime=_runtime()[:14])), "ok", set()),
+    ("runtime_ends_before_last_v1_0", _payload(_records(runtime=_runtime()[:22])), "ok", set()),
+    ("pool_two_elements", _payload(_records(pools=[_pool()[:2]])), "corrupt", set()),
+    ("pool_ends_after_group_id", _payload(_records(pools=[_pool()[:3]])), "ok", set()),
+    ("pool_ends_before_in_shrink", _payload(_records(pools=[_pool()[:18]])), "ok", set()),
     # -- schema.md "Values" ---------------------------------------------------------------
     ("value_wrong_type", _rt(step="x"), "ok", {"runtime.step"}),
     ("value_float_in_int", _pl(total_blocks=1.5), "ok", {"pool.total_blocks"}),
@@ -186,6 +218,10 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
     ("value_nan", _rt(start_time=NAN), "ok", {"runtime.start_time"}),
     ("value_inf", _rt(start_time=INF), "ok", {"runtime.start_time"}),
     ("value_int_in_float", _rt(start_time=7), "ok", set()),
+    # Issue 30 item 6: a float is a number too, in [0, 2^63).
+    ("value_float_1e300", _rt(start_time=1e300), "ok", {"runtime.start_time"}),
+    ("value_float_2_63", _rt(start_time=2.0**63), "ok", {"runtime.start_time"}),
+    ("value_float_below_2_63", _rt(start_time=2.0**62), "ok", set()),
     ("str_wrong_type", _rt(engine=5), "corrupt", set()),
     ("pool_name_null", _pl(pool_name=None), "corrupt", set()),
     ("identity_negative", _rt(dp_rank=-1), "corrupt", set()),
@@ -240,7 +276,10 @@ def test_oversized_directory_is_corrupt_for_both(
     monkeypatch.setattr(writer_mod, "MAX_DIRECTORY_BYTES", 1 << 30)
     caps = current_capabilities()
     huge = Capabilities(
-        **{**msgspec.structs.asdict(caps), "pool_fields": [*caps.pool_fields, *["x" * 60] * 1200]}
+        **{
+            **msgspec.structs.asdict(caps),
+            "pool_fields": [*caps.pool_fields, *(f"x{i:059}" for i in range(1200))],
+        }
     )
     with SegmentWriter(NAME, shm_dir=shm_dir, capabilities=huge) as w:
         w.publish(sample_snapshot(1))

@@ -269,7 +269,7 @@ def test_documents_state_each_rule_of_the_contract() -> None:
         "Required keys (else `Corrupt`)",
         "**Names keep their positions.**",
         "**A refused file.**",
-        "`--max-label-length` | 256 characters",
+        "`--max-label-length` | 256 bytes of UTF-8",
         "`--max-pools-per-rank` | 64",
         "`--max-series-per-target` | 4,096",
         "`--max-payload-bytes` | 1 MiB",
@@ -296,3 +296,83 @@ def test_documents_state_each_rule_of_the_contract() -> None:
     assert [c.strip() for c in header.strip("|").split("|")] == [
         "field", "our pool", "vLLM", "SGLang", "kvcached", "ATOM"
     ]  # fmt: skip
+
+
+def _flat(doc: str) -> str:
+    with open(os.path.join(REPO, "docs", doc)) as f:
+        return " ".join(f.read().split())
+
+
+def test_documents_state_the_round_4_rules() -> None:
+    """Issue 30 items 4-7 and 8a: each rule written where it is looked for; the corpus
+    (test_contract_corpus.py) runs the doc reader that follows them against ours."""
+    doc, schema = _flat("segment-format.md"), _flat("schema.md")
+    for wrong in (
+        "may require an owner uid",  # the CLI and daemon default trusts only their own uid
+        "fill elements an old writer did not send with nil / default",
+        "`unreadable` = the reader said `refused` or `version_mismatch`",
+    ):
+        assert wrong not in doc, wrong
+    for rule in (
+        "trust only files owned by **their own uid**",
+        "**Each name appears at most once** in a list",
+        "when present a map of str to bool: anything else (an array, a value that is not a "
+        "bool) is `Corrupt`",
+        "The slot's bytes after it (up to `slot_stride`) are not part of it",
+        "read elements an old writer did not send as nil, never as a default",
+    ):
+        assert rule in doc, rule
+    assert "calls whose pool source raised or whose arguments were refused do not" not in schema
+    for rule in (
+        "Every number is in **[0, 2^63)**, a float too",
+        "**A record that ends early**",
+        "summed **per request**: a block that several ended deferrals shared counts once for each",
+    ):
+        assert rule in schema, rule
+
+
+def test_short_record_rule_names_the_identity_fields_it_needs() -> None:
+    """schema.md: "a runtime record needs its first 14 elements (through `pp_size`), a pool
+    record its first 3 (through `group_id`)": the last non-null identity field of each
+    table, as the doc reader and ours apply it (test_contract_corpus.py's short cases)."""
+    schema = _flat("schema.md")
+    records = (("RuntimeSnapshot", "a runtime record"), ("KVCachePoolSnapshot", "a pool record"))
+    for record, what in records:
+        table = doc_reader.TABLES[record]
+        last = max(
+            i for i, (n, kind) in enumerate(table) if n in doc_reader.IDENTITY or kind == "str"
+        )
+        want = f"{what} needs its first {last + 1} elements (through `{table[last][0]}`)"
+        assert want in schema, want
+
+
+def test_label_budget_lists_every_string_field() -> None:
+    """Section 8's --max-label-length row names every str field the daemon checks
+    (budget.label_values: every string of the snapshot); `instance` was missing."""
+    import typing
+
+    from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot
+
+    row = next(
+        ln for ln in _flat("segment-format.md").split("| ") if ln.startswith("every string of")
+    )
+    listed = set(re.findall(r"`([a-z_]+)`", row))
+    strings = {
+        f
+        for rec in (RuntimeSnapshot, KVCachePoolSnapshot)
+        for f, t in typing.get_type_hints(rec).items()
+        if t in (str, str | None)
+    }
+    assert listed == strings, (sorted(listed - strings), sorted(strings - listed))
+
+
+def test_owner_default_is_the_documented_one() -> None:
+    from kvsidecar.cli.options import allowed_uids
+    from kvsidecar.protocol.reader import SegmentReader
+
+    assert allowed_uids((), False) == frozenset({os.getuid()})
+    assert allowed_uids((4242,), False) == frozenset({os.getuid(), 4242})
+    assert allowed_uids((4242,), True) is None  # --allow-any-uid
+    assert SegmentReader("kvsidecar.x").allowed_uids is None  # the library: any owner
+    doc = _flat("segment-format.md")
+    assert "`--allow-uid UID` (`KVSIDECAR_ALLOW_UID`) adds an owner" in doc

@@ -192,3 +192,23 @@ def test_to_dict_is_keyed() -> None:
     snap = Snapshot(runtime=RuntimeSnapshot(step=3), pools=[KVCachePoolSnapshot(total_blocks=9)])
     d = schema.to_dict(snap)
     assert d["runtime"]["step"] == 3 and d["pools"][0]["total_blocks"] == 9
+
+
+def test_a_short_record_is_seen_by_its_last_non_null_default() -> None:
+    """The reader tells a record cut short from a whole one by `schema.unsent_count()`
+    (issue 30 item 4): that holds only if the last field with a non-null default counts
+    its use and every later field (each appended by a minor) defaults to null."""
+    import typing
+
+    for record in (RuntimeSnapshot, KVCachePoolSnapshot):
+        fields = msgspec.structs.fields(record)
+        last = max(i for i, f in enumerate(fields) if f.default is not None)
+        assert fields[last].default is msgspec.NODEFAULT, fields[last]  # a default_factory
+        for f in fields[last + 1 :]:
+            assert f.default is None and type(None) in typing.get_args(f.type), f.name
+        values = msgspec.to_builtins(record(**{f.name: f.type() for f in fields[:3]}))
+        before = schema.unsent_count()
+        msgspec.msgpack.decode(msgspec.msgpack.encode(values), type=record)
+        assert schema.unsent_count() == before  # whole: nothing filled in
+        msgspec.msgpack.decode(msgspec.msgpack.encode(values[:last]), type=record)
+        assert schema.unsent_count() == before + 1  # cut short: counted

@@ -31,7 +31,8 @@ def recount(sched) -> dict:
     running, waiting = sched.get_request_counts()
     return {
         **fields,
-        "runtime.requests_deferred_free": len(deferred),
+        # A deferred request counts only while it holds a block (issue 30 item 3).
+        "runtime.requests_deferred_free": len(blocks_of),
         "runtime.requests_running": running,
         "runtime.requests_waiting": waiting,
         "_deferred_ids": [r.request_id for r in deferred],

@@ -452,7 +452,11 @@ class Run:
         for k, v in (
             ("requests_running", running),
             ("requests_waiting", waiting),
-            ("requests_deferred_free", len(deferred)),
+            # A deferred request counts only while it holds a block (issue 30 item 3).
+            (
+                "requests_deferred_free",
+                sum(any(self._holds(d, q) for q in pools) for d in deferred),
+            ),
         ):
             if getattr(rt, k) != v:
                 bad.append(f"{where}: runtime {k} published {getattr(rt, k)!r}, recount {v!r}")

@@ -1,0 +1,158 @@
+"""The gateway endpoint: what an endpoint picker polls, one listener per engine rank.
+
+A picker polls each endpoint (one per data-parallel rank: one InferencePool target port per
+rank) every 50 ms. Each listener here answers for one DP rank of the pod's engine: listener
+``i`` serves the segment whose ``dp_rank`` is ``i`` (optionally only of one ``role``).
+
+Fresh: a poll reads that rank's segment at request time, under the target's own lock, with
+every check the poller makes (trust, budgets, identity, liveness, progress), so the value
+served is the engine's latest published step when the request arrived, never a cached poll
+cycle. A read costs microseconds; the poller's other targets and its directory scans are
+never waited for (the TargetSet lock is not taken).
+
+A rank that is not up (stale, dead, closed, corrupt, refused, shed, not found, or claimed by
+two live segments) is answered 503 with the reason on one line: a picker treats a non-200 as
+a failed poll and never routes on those numbers as fresh.
+"""
+
+from __future__ import annotations
+
+import errno
+import socket
+import time
+from collections.abc import Sequence
+
+from kvsidecar.daemon.gateway_body import CONTENT_TYPE, render, timeless
+from kvsidecar.daemon.targets import Target, TargetSet
+from kvsidecar.protocol.reader import Reading
+from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS
+from kvsidecar.web.poll_server import PollServer, Route
+from kvsidecar.web.sockets import bind
+
+__all__ = ["METRICS_PATH", "Gateway", "GatewayListenError", "start_gateway"]
+
+METRICS_PATH = "/metrics"  # the picker's default path (metrics-data-source `path`)
+_TEXT = "text/plain; charset=utf-8"
+
+
+class Gateway:
+    """Routes for `kvsidecar.web.poll_server.PollServer`: ``route(rank)`` answers one rank."""
+
+    def __init__(self, targets: TargetSet, *, role: str | None = None) -> None:
+        self.targets = targets
+        self.role = role
+        self._version = -1
+        self._by_rank: dict[int, list[Target]] = {}
+        # Per segment: the body of its last (incarnation, seq), while no age is in it.
+        self._bodies: dict[str, tuple[tuple[int, int], bytes]] = {}
+
+    def route(self, dp_rank: int) -> Route:
+        def answer(path: str) -> tuple[int, bytes, str, bytes]:
+            if path != METRICS_PATH:
+                return 404, f"not found: the gateway serves {METRICS_PATH}\n".encode(), _TEXT, b""
+            return self.answer(dp_rank)
+
+        return answer
+
+    def routes(self, ranks: int) -> Sequence[Route]:
+        return [self.route(r) for r in range(ranks)]
+
+    def answer(self, dp_rank: int) -> tuple[int, bytes, str, bytes]:
+        """(status, body, content type, extra headers) for one poll of `dp_rank`."""
+        candidates = self._candidates(dp_rank)
+        if not candidates:
+            who = f"dp_rank {dp_rank}" + (f" with role {self.role}" if self.role else "")
+            why = f"no segment for {who}: is the engine's agent running?\n"
+            return 503, why.encode(), _TEXT, b""
+        # The read that makes the answer fresh: each candidate polled now.
+        views = [t.poll(log_transitions=True) for t in candidates]
+        up = [v for v in views if v.up and v.last is not None]
+        if len(up) == 1:
+            last = up[0].last
+            # Which step was served, for whoever checks freshness (the body stays lean).
+            step = b"Kvsidecar-Step: %d\r\n" % last.snapshot.runtime.step
+            return 200, self._body(up[0].name, last), CONTENT_TYPE, step
+        if len(up) > 1:
+            names = ", ".join(v.name for v in up)
+            why = (
+                f"segments {names} all claim dp_rank {dp_rank}: pass --gateway.role, or run "
+                "one engine instance per pod\n"
+            )
+            return 503, why.encode(), _TEXT, b""
+        v = views[0]
+        return 503, f"{v.name}: {v.state}: {v.error or 'not up'}\n".encode(), _TEXT, b""
+
+    def _body(self, name: str, last: Reading) -> bytes:
+        key = (last.incarnation, last.seq)
+        cached = self._bodies.get(name)
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        body = render(last.snapshot, time.monotonic_ns())
+        if timeless(last.snapshot):
+            if len(self._bodies) > 1024:  # names come and go: never grow without bound
+                self._bodies.clear()
+            self._bodies[name] = (key, body)
+        else:
+            self._bodies.pop(name, None)
+        return body
+
+    def _candidates(self, dp_rank: int) -> list[Target]:
+        """The targets whose latest identity says this rank; rebuilt when a poll changed the
+        set (identity can change only with a new snapshot, which a poll brings)."""
+        version = self.targets.version
+        if version != self._version:
+            by_rank: dict[int, list[Target]] = {}
+            for t in list(self.targets.targets.values()):
+                last = t.view.last
+                if not t.shown or last is None:
+                    continue
+                rt = last.snapshot.runtime
+                if self.role is not None and rt.role != self.role:
+                    continue
+                by_rank.setdefault(rt.dp_rank, []).append(t)
+            self._by_rank, self._version = by_rank, version
+        return self._by_rank.get(dp_rank, [])
+
+
+class GatewayListenError(Exception):
+    """A gateway listener could not be bound; the message names the address and the fix."""
+
+
+def start_gateway(
+    targets: TargetSet,
+    address: tuple[str, int],
+    *,
+    ranks: int = 1,
+    role: str | None = None,
+    max_connections: int = 256,
+) -> PollServer:
+    """Bind one listener per DP rank (port, port + 1, ...) and serve them on a thread of
+    their own. Port 0 binds the first on any free port and the others on free ports too."""
+    host, port = address
+    socks: list[socket.socket] = []
+    try:
+        for rank in range(ranks):
+            try:
+                socks.append(bind(host, port + rank if port else 0))
+            except OSError as e:
+                why = e.strerror or str(e)
+                if e.errno == errno.EADDRINUSE:
+                    why = "port in use by another process"
+                shown = f"[{host}]" if ":" in host else host
+                raise GatewayListenError(
+                    f"cannot listen on {shown}:{port + rank} for the gateway's dp_rank {rank}: "
+                    f"{why}: pass --gateway.listen-address ({GATEWAY_LISTEN_ADDRESS.name}) "
+                    f"with a base port whose next {ranks} ports are free"
+                ) from None
+    except GatewayListenError:
+        for s in socks:
+            s.close()
+        raise
+    gateway = Gateway(targets, role=role)
+    server = PollServer(
+        list(zip(socks, gateway.routes(ranks))),
+        max_connections=max_connections,
+        name="kvsidecar-gateway",
+    )
+    server.start()
+    return server
