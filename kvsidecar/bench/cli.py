@@ -646,11 +646,19 @@ def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
     "--vllm", "with_vllm", is_flag=True, help="Also the real vLLM server (needs its env)."
 )
 @device_option
-def cost_cmd(quick: bool, out: str, with_vllm: bool, device: str) -> None:
+@click.option(
+    "--vs",
+    "vs",
+    metavar="TREE",
+    type=click.Path(exists=True, file_okay=False),
+    help="Also the daemon of another source tree, side by side (e.g. a git worktree of an "
+    "older commit, extension built in place: python setup.py build_ext --inplace).",
+)
+def cost_cmd(quick: bool, out: str, with_vllm: bool, device: str, vs: str | None) -> None:
     """What a scrape costs the engine's processes: CPU, syscalls, context switches (/proc)."""
     from kvsidecar.bench import cost
 
-    r = cost.run(quick=quick, vllm=with_vllm, device=device)
+    r = cost.run(quick=quick, vllm=with_vllm, device=device, vs=vs)
     for table in cost.tables(r):
         report.print_table(*table)
     if (v := r.get("vllm")) and "skipped" in v:

@@ -22,6 +22,7 @@ bootstrap 95 % interval (`stats.mean_interval`).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import mmap
 import os
@@ -51,7 +52,7 @@ DEMO_CONDITIONS = (
     "prometheus_client@50",
     "locked_snapshot@20",
 )
-VLLM_CONDITIONS = ("none", "kvsidecar@20", "kvsidecar@50", "vllm@20", "vllm@50")
+VLLM_CONDITIONS = ("none", "kvsidecar@20", "kvsidecar@50", "burner@50", "vllm@20", "vllm@50")
 SETTLE_S = 0.1  # after a round: an in-flight scrape finishes inside its own round
 
 # Scrapes a URL at HZ over one keep-alive connection (as Prometheus does) and keeps the
@@ -82,18 +83,16 @@ while True:
 """
 
 
-class Scraper:
-    """One scraper process for one (port, path, Hz), stopped until resumed."""
+class _Counted:
+    """A process that counts what it did in an 8-byte file it maps (so reading the count
+    costs nothing), stopped until resumed; the benchmark SIGSTOPs it between rounds."""
 
-    def __init__(self, port: int, path: str, hz: float, tmp: str) -> None:
-        counter = os.path.join(tmp, f"scrapes-{port}-{hz:g}")
+    def __init__(self, script: str, args: list[str], counter: str) -> None:
         with open(counter, "wb") as f:
             f.write(bytes(8))
         with open(counter, "r+b") as f:
             self._map = mmap.mmap(f.fileno(), 8)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-c", _SCRAPER, "127.0.0.1", str(port), path, str(hz), counter]
-        )
+        self.proc = subprocess.Popen([sys.executable, "-c", script, *args, counter])
         self.proc.send_signal(signal.SIGSTOP)
 
     @property
@@ -110,6 +109,52 @@ class Scraper:
         self.proc.send_signal(signal.SIGCONT)
         self.proc.kill()
         self.proc.wait()
+
+
+class Scraper(_Counted):
+    """One scraper process for one (port, path, Hz)."""
+
+    def __init__(self, port: int, path: str, hz: float, tmp: str) -> None:
+        counter = os.path.join(tmp, f"scrapes-{port}-{hz:g}")
+        super().__init__(_SCRAPER, ["127.0.0.1", str(port), path, str(hz)], counter)
+
+
+# The control for the scraped rows: two processes that do what a scrape's two observers
+# do (one wakes at HZ and burns what the scraper burns, the other is woken over a socket,
+# burns what the daemon burns and answers) and touch nothing of the engine. What the
+# engine's counters move under them is what sharing its cores costs, not the scrape path.
+_BURNER = r"""
+import mmap, os, socket, struct, sys, time
+hz, a_ms, b_ms, counter = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), sys.argv[4]
+def burn(ms):
+    end = time.thread_time() + ms / 1000
+    while time.thread_time() < end:
+        pass
+left, right = socket.socketpair()
+if os.fork() == 0:
+    left.close()
+    while right.recv(1):
+        burn(b_ms); right.send(b"x")
+    os._exit(0)
+right.close()
+with open(counter, "r+b") as f:
+    m = mmap.mmap(f.fileno(), 8)
+n, nxt = 0, time.monotonic()
+while True:
+    burn(a_ms); left.send(b"x"); left.recv(1)
+    n += 1; struct.pack_into("Q", m, 0, n)
+    nxt = max(nxt + 1 / hz, time.monotonic() - 1 / hz)
+    time.sleep(max(0.0, nxt - time.monotonic()))
+"""
+
+
+class Burner(_Counted):
+    """`_BURNER` at ``hz``: ``scraper_ms`` then ``daemon_ms`` of CPU per wake-up."""
+
+    def __init__(self, hz: float, scraper_ms: float, daemon_ms: float, tmp: str) -> None:
+        counter = os.path.join(tmp, f"burns-{hz:g}")
+        args = [str(hz), f"{scraper_ms:.4f}", f"{daemon_ms:.4f}"]
+        super().__init__(_BURNER, args, counter)
 
 
 def counted_round(
@@ -268,46 +313,120 @@ def interleaved_rounds(
     return out
 
 
-def bench_daemon(rounds: int, window_s: float) -> dict[str, Any]:
-    """The daemon's CPU per scrape (8 writer segments at 100 Hz or 1), and its idle cost."""
+class Spinners:
+    """Processes that spin on every core while resumed: the host under load, a control."""
+
+    def __init__(self, n: int | None = None) -> None:
+        self.procs = [
+            subprocess.Popen([sys.executable, "-c", "while True: pass"])
+            for _ in range(n or os.cpu_count() or 1)
+        ]
+        self.pause()
+
+    def resume(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGCONT)
+
+    def pause(self) -> None:
+        for p in self.procs:
+            p.send_signal(signal.SIGSTOP)
+
+    def close(self) -> None:
+        for p in self.procs:
+            p.kill()
+            p.wait()
+
+
+def _daemon_cell(
+    f: dict[str, Any], scraper: Scraper, window_s: float, spin: Spinners | None
+) -> tuple[dict[str, float], dict[str, float]]:
+    """One idle window and one 50 Hz scrape window of a daemon, the spinners (if any)
+    running through both: the pair whose difference is the scrapes alone."""
+    if spin:
+        spin.resume()
+    try:
+        idle = counted_round(f["daemon_pid"], lambda: time.sleep(window_s), None)
+        busy = counted_round(f["daemon_pid"], lambda: time.sleep(window_s), scraper)
+    finally:
+        if spin:
+            spin.pause()
+    return idle, busy
+
+
+def bench_daemon(
+    rounds: int, window_s: float, vs: str | None = None, host_load: bool = False
+) -> dict[str, Any]:
+    """The daemon's CPU per scrape (1 and 8 writer ranks x 4 pools at 100 Hz), and its idle
+    cost. ``vs``: also the daemon of that source tree (`fleet.daemon_command`), both up at
+    once and their windows interleaved, so host drift hits both alike. ``host_load``: each
+    also with every core spun by other processes (`Spinners`) through both windows: what
+    the host, not the code, does to the figure."""
+    trees = {"this": None, **({"vs": vs} if vs else {})}
+    loads = (False, True) if host_load else (False,)
     out: dict[str, Any] = {}
-    for ranks in (1, 8):
-        tmp = tempfile.mkdtemp(prefix="kvsidecar-cost-d-", dir="/dev/shm")
-        with fleet(ranks=ranks, pools=4, hz=100.0) as f:
-            body = urllib.request.urlopen(f["url"] + "/metrics").read()
-            scraper = Scraper(f["port"], "/metrics", 50.0, tmp)
-            per = []
-            try:
+    spin = Spinners() if host_load else None
+    try:
+        for ranks in (1, 8):
+            with contextlib.ExitStack() as stack:
+                fleets = {
+                    k: stack.enter_context(fleet(ranks, 4, 100.0, c)) for k, c in trees.items()
+                }
+                tmp = stack.enter_context(tempfile.TemporaryDirectory(dir="/dev/shm"))
+                bodies, scrapers = {}, {}
+                for k, f in fleets.items():
+                    bodies[k] = urllib.request.urlopen(f["url"] + "/metrics").read()
+                    scrapers[k] = Scraper(f["port"], "/metrics", 50.0, tmp)
+                    stack.callback(scrapers[k].close)
+                cells = [(k, load) for k in trees for load in loads]
+                per: dict[tuple[str, bool], list] = {c: [] for c in cells}
+                rng = random.Random(ranks)
                 for _ in range(rounds):
-                    idle = counted_round(f["daemon_pid"], lambda: time.sleep(window_s), None)
-                    busy = counted_round(f["daemon_pid"], lambda: time.sleep(window_s), scraper)
-                    per.append((idle, busy))
-            finally:
-                scraper.close()
-                shutil.rmtree(tmp, ignore_errors=True)
-        ms = stats.mean_interval(
-            [(b["cpu_ms"] - i["cpu_ms"]) / b["scrapes"] for i, b in per if b["scrapes"]]
-        )
-        idle_ms_s = statistics.fmean(i["cpu_ms"] for i, _ in per) / (window_s + SETTLE_S)
-        out[f"{ranks}x4"] = {
-            "ranks": ranks,
-            "pools": 4,
-            "body_bytes": len(body),
-            "cpu_ms_per_scrape": ms,
-            "syscalls_per_scrape": stats.mean_interval(
-                [(b["syscalls"] - i["syscalls"]) / b["scrapes"] for i, b in per if b["scrapes"]]
-            ),
-            "idle_cpu_ms_per_s": idle_ms_s,
-            # % of one core = (idle poll ms/s + Hz x ms/scrape) / 10, the upper bound used
-            "core_pct": {hz: (idle_ms_s + hz * ms["ci95"][1]) / 10 for hz in (20, 50)},
-        }
+                    rng.shuffle(cells)
+                    for k, load in cells:
+                        cell = _daemon_cell(
+                            fleets[k], scrapers[k], window_s, spin if load else None
+                        )
+                        per[(k, load)].append(cell)
+            for (k, load), pairs in per.items():
+                name = f"{ranks}x4" + ("" if k == "this" else f" {k}") + (" loaded" if load else "")
+                out[name] = _daemon_row(ranks, len(bodies[k]), pairs, window_s, trees[k], load)
+    finally:
+        if spin:
+            spin.close()
     return out
 
 
-def run(quick: bool = False, vllm: bool = False, device: str = "cpu") -> dict[str, Any]:
+def _daemon_row(
+    ranks: int, body: int, per: list, window_s: float, tree: str | None, loaded: bool
+) -> dict[str, Any]:
+    ms = stats.mean_interval(
+        [(b["cpu_ms"] - i["cpu_ms"]) / b["scrapes"] for i, b in per if b["scrapes"]]
+    )
+    idle_ms_s = statistics.fmean(i["cpu_ms"] for i, _ in per) / (window_s + SETTLE_S)
+    return {
+        "ranks": ranks,
+        "pools": 4,
+        "tree": tree or "this install",
+        "host_load": "every core spun" if loaded else "none added",
+        "body_bytes": body,
+        "cpu_ms_per_scrape": ms,
+        "syscalls_per_scrape": stats.mean_interval(
+            [(b["syscalls"] - i["syscalls"]) / b["scrapes"] for i, b in per if b["scrapes"]]
+        ),
+        "idle_cpu_ms_per_s": idle_ms_s,
+        # % of one core = (idle poll ms/s + Hz x ms/scrape) / 10, the upper bound used
+        "core_pct": {hz: (idle_ms_s + hz * ms["ci95"][1]) / 10 for hz in (20, 50)},
+    }
+
+
+def run(
+    quick: bool = False, vllm: bool = False, device: str = "cpu", vs: str | None = None
+) -> dict[str, Any]:
     out: dict[str, Any] = {"quick": quick}
     out["demo"] = bench_demo(rounds=3 if quick else 10, steps=300 if quick else 1000, device=device)
-    out["daemon"] = bench_daemon(rounds=2 if quick else 6, window_s=2.0 if quick else 5.0)
+    out["daemon"] = bench_daemon(
+        rounds=2 if quick else 6, window_s=2.0 if quick else 5.0, vs=vs, host_load=not quick
+    )
     if vllm:
         from kvsidecar.bench import cost_vllm
 
@@ -328,11 +447,12 @@ ENGINE_HEADERS = [
     "of it, first process (vLLM: API server)",
     "syscalls/scrape (read/write) [95% CI]",
     "ctx switches/scrape [95% CI]",
+    "of them voluntary",
     "sockets",
     "processes",
 ]
 _COLUMNS = (("cpu_ms", "{:.3f}"), ("root_cpu_ms", "{:.3f}"), ("syscalls", "{:.2f}"),
-            ("ctxt", "{:.2f}"))  # fmt: skip
+            ("ctxt", "{:.2f}"), ("voluntary_ctxt", "{:.2f}"))  # fmt: skip
 
 
 def engine_rows(conditions: dict[str, Any]) -> list[list[Any]]:
@@ -368,10 +488,11 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
         (
             "daemon CPU per scrape (50 Hz scrape windows paired with idle windows) and the "
             "core budget (idle poll + Hz x CI upper bound)",
-            ["ranks x pools", "body bytes", "CPU ms/scrape [95% CI]", "syscalls/scrape",
-             "idle ms/s", "% core at 20 Hz", "% core at 50 Hz"],
+            ["ranks x pools", "daemon code", "host load", "body bytes", "CPU ms/scrape [95% CI]",
+             "syscalls/scrape", "idle ms/s", "% core at 20 Hz", "% core at 50 Hz"],
             [
-                [k, v["body_bytes"], _cell(v["cpu_ms_per_scrape"]),
+                [k.split()[0], v["tree"], v["host_load"], v["body_bytes"],
+                 _cell(v["cpu_ms_per_scrape"]),
                  _cell(v["syscalls_per_scrape"], fmt="{:.1f}"), round(v["idle_cpu_ms_per_s"], 2),
                  round(v["core_pct"][20], 2), round(v["core_pct"][50], 2)]
                 for k, v in r["daemon"].items()

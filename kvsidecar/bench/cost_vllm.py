@@ -3,7 +3,9 @@
 The server (API server, EngineCore, and whatever they spawn: its process tree) answers
 the same fixed completions every round (fixed prompts, ``max_tokens``, ``ignore_eos``,
 4 at a time), under none, kvsidecar's /metrics at 20 and 50 Hz (the plugin publishes
-in every condition, so the delta is the scrapes alone) and vLLM's own /metrics at 20
+in every condition, so the delta is the scrapes alone), the burner control at 50 Hz
+(`cost.Burner`: the CPU a kvsidecar scrape costs its observers, measured in a warm-up,
+burnt by two processes that touch nothing of the engine) and vLLM's own /metrics at 20
 and 50 Hz. Counters and pairing as in `kvsidecar.bench.cost`.
 """
 
@@ -18,9 +20,23 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar import settings
-from kvsidecar.bench import cost, fleet, vllm
+from kvsidecar.bench import cost, fleet, proccount, vllm
 
 CLIENTS = 4
+
+
+def observer_cost(scraper: cost.Scraper, daemon_pid: int, work: Any) -> dict[str, float]:
+    """CPU ms per answered scrape of the scraper and of the daemon over one ``work()``."""
+    pids = {"scraper_ms": scraper.proc.pid, "daemon_ms": daemon_pid}
+    before = {k: proccount.counters(p)["cpu_ms"] for k, p in pids.items()}
+    done = scraper.answered
+    scraper.resume()
+    work()
+    scraper.pause()
+    n = max(1, scraper.answered - done)
+    out = {k: (proccount.counters(p)["cpu_ms"] - before[k]) / n for k, p in pids.items()}
+    out["scrapes"] = float(n)
+    return out
 
 
 def run(quick: bool = False) -> dict[str, Any]:
@@ -47,8 +63,9 @@ def run(quick: bool = False) -> dict[str, Any]:
         kport = int(kurl.rsplit(":", 1)[1])
         for cond in cost.VLLM_CONDITIONS[1:]:
             target, _, hz = cond.partition("@")
-            scrapers[cond] = cost.Scraper(port if target == "vllm" else kport, "/metrics",
-                                          float(hz), tmp)  # fmt: skip
+            if target != "burner":
+                scrapers[cond] = cost.Scraper(port if target == "vllm" else kport, "/metrics",
+                                              float(hz), tmp)  # fmt: skip
         vllm_body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read()
         pool = concurrent.futures.ThreadPoolExecutor(CLIENTS)
 
@@ -59,6 +76,12 @@ def run(quick: bool = False) -> dict[str, Any]:
                 assert b'"choices"' in body
 
         work()  # warm-up: compile, caches
+        # A second warm-up under kvsidecar@50 measures what one scrape costs its observers
+        # (scraper, daemon), which the burner control then burns at the same rate.
+        observers = observer_cost(scrapers["kvsidecar@50"], daemon.pid, work)
+        scrapers["burner@50"] = cost.Burner(
+            50.0, observers["scraper_ms"], observers["daemon_ms"], tmp
+        )
         per_round = cost.interleaved_rounds(
             rounds,
             cost.VLLM_CONDITIONS,
@@ -79,5 +102,6 @@ def run(quick: bool = False) -> dict[str, Any]:
         "clients": CLIENTS,
         "vllm_metrics_bytes": len(vllm_body),
         "omp_wait_policy": env["OMP_WAIT_POLICY"],
+        "observer_cpu_ms_per_scrape": observers,
         "conditions": cost.summarize(per_round, cost.VLLM_CONDITIONS),
     }

@@ -54,8 +54,11 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def fleet(ranks: int = 8, pools: int = 4, hz: float = 100.0) -> Iterator[dict[str, Any]]:
-    """Yield {"url", "daemon_pid", "writer_pid", "shm_dir"} while writers and daemon run."""
+def fleet(
+    ranks: int = 8, pools: int = 4, hz: float = 100.0, checkout: str | None = None
+) -> Iterator[dict[str, Any]]:
+    """Yield {"url", "daemon_pid", "writer_pid", "shm_dir"} while writers and daemon run
+    (the daemon of ``checkout``'s code if given: see `start_daemon`)."""
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-fleet-", dir="/dev/shm")
     ctx = mp.get_context("spawn")
     ready, stop = ctx.Event(), ctx.Event()
@@ -65,7 +68,7 @@ def fleet(ranks: int = 8, pools: int = 4, hz: float = 100.0) -> Iterator[dict[st
     try:
         if not ready.wait(60):
             raise RuntimeError("benchmark writers did not start")
-        daemon, url = start_daemon(shm_dir)
+        daemon, url = start_daemon(shm_dir, checkout=checkout)
         port = int(url.rsplit(":", 1)[1])
         yield {
             "url": url,
@@ -90,19 +93,20 @@ def start_daemon(
     wait_for_source: bool = True,
     timeout: float = 30.0,
     context: ssl.SSLContext | None = None,
+    checkout: str | None = None,
     **popen: Any,
 ) -> tuple[subprocess.Popen, str]:
     """Start ``kvsidecar serve`` on a free loopback port; return it and its base URL once
     it serves a scrape with at least one source (or, without ``wait_for_source``, once
     ``/-/healthy`` answers; over https with ``context``). stderr is inherited (an unread
     pipe could fill and block it) unless ``popen`` says otherwise (e.g. ``stderr=file``,
-    ``user=uid``)."""
+    ``user=uid``). With ``checkout`` (a source tree, e.g. a git worktree of an older
+    commit with its extension built in place), that tree's daemon runs instead, for
+    side-by-side runs of two versions."""
     port = free_port()
     daemon = subprocess.Popen(
         [
-            sys.executable,
-            "-m",
-            "kvsidecar",
+            *daemon_command(checkout),
             "serve",
             "--shm-dir",
             shm_dir,
@@ -129,6 +133,22 @@ def start_daemon(
             daemon.kill()
             raise RuntimeError(f"daemon did not come up (exit code {daemon.wait()})")
         time.sleep(0.05)
+
+
+# -I: this environment's editable install would otherwise win over the other tree's path.
+_RUN_FROM = (
+    "import runpy, sys; sys.path.insert(0, sys.argv.pop(1)); "
+    "runpy.run_module('kvsidecar', run_name='__main__', alter_sys=True)"
+)
+
+
+def daemon_command(checkout: str | None = None) -> list[str]:
+    """argv that runs ``kvsidecar``'s CLI from this install, or from ``checkout``'s tree."""
+    if checkout is None:
+        return [sys.executable, "-m", "kvsidecar"]
+    if not os.path.isfile(os.path.join(checkout, "kvsidecar", "__main__.py")):
+        raise ValueError(f"{checkout}: not a kvsidecar source tree (no kvsidecar/__main__.py)")
+    return [sys.executable, "-I", "-c", _RUN_FROM, os.path.abspath(checkout)]
 
 
 def stop_daemon(daemon: subprocess.Popen, timeout: float = 10.0) -> None:
