@@ -130,3 +130,65 @@ class SGLangPoolSource:
         if page == 1:
             s.tokens_used = used
         return s
+
+
+def _identity(scheduler: Any) -> dict[str, Any]:
+    """The agent's identity from an SGLang Scheduler (its server_args and ranks)."""
+    args = scheduler.server_args
+    mode = str(getattr(args, "disaggregation_mode", "null") or "null")
+    try:
+        from sglang.version import __version__ as version
+    except Exception:
+        version = None
+    return {
+        "engine": "sglang",
+        "model_name": str(args.served_model_name),
+        "engine_version": version,
+        "role": None if mode == "null" else mode,
+        "tp_rank": int(getattr(scheduler, "tp_rank", 0) or 0),
+        "tp_size": int(getattr(args, "tp_size", 1) or 1),
+        "pp_rank": int(getattr(scheduler, "pp_rank", 0) or 0),
+        "pp_size": int(getattr(args, "pp_size", 1) or 1),
+        "dp_rank": int(getattr(scheduler, "dp_rank", 0) or 0),
+        "dp_size": int(getattr(args, "dp_size", 1) or 1),
+        "device": str(getattr(args, "device", "") or "") or None,
+    }
+
+
+class SGLangSidecar:
+    """The agent and pool source of one SGLang scheduler process (agent/engines/sglang_plugin)."""
+
+    def __init__(self, agent: Any, source: SGLangPoolSource) -> None:
+        self.agent = agent
+        self.source = source
+
+    @classmethod
+    def attach(cls, scheduler: Any) -> SGLangSidecar | None:
+        """Start publishing `scheduler`'s pool; None (agent disabled) if that cannot be done."""
+        from kvsidecar.agent.agent import KVSidecarAgent
+
+        # Heartbeat: an idle scheduler may block in its receive; keep the record fresh.
+        agent = KVSidecarAgent(**_identity(scheduler), heartbeat_interval=1.0)
+        if not agent.enabled:
+            return None
+        try:
+            source = SGLangPoolSource(
+                scheduler.token_to_kv_pool_allocator,
+                scheduler.tree_cache,
+                max_total_num_tokens=scheduler.max_total_num_tokens,
+            )
+            registered = agent.register_pool(source)
+        except Exception:
+            registered = False
+        if not registered:
+            agent.close()
+            return None
+        sidecar = cls(agent, source)
+        sidecar.publish(scheduler, 0)
+        return sidecar
+
+    def publish(self, scheduler: Any, retracted: int) -> None:
+        """One scheduler iteration: running/queued as SGLang's own gauges count them."""
+        agent = self.agent
+        agent.runtime.preemptions_total = retracted
+        agent.step(len(scheduler.running_batch.reqs), len(scheduler.waiting_queue))
