@@ -1,0 +1,284 @@
+"""A real SGLang 0.5.23 server (CPU, dummy weights) with kvsidecar's plugin loaded by its
+``sglang.srt.plugins`` entry point alone, plus `kvsidecar serve`: every kvsidecar field agrees
+exactly with SGLang's own /metrics at settled points, and the segment's life (crash, restart,
+clean stop, disabled) reads as it should.
+
+SGLang refreshes its pool gauges at each prefill, every 40 decode steps, and when idle only
+once 30 s have passed since its last report (``_maybe_log_idle_metrics``): a settled point is
+reached when SGLang's report is newer than the last change, so `settled` waits up to 90 s for
+the two to agree and fails with both sides' last values if they never do.
+
+Server starts are few (each takes 20-90 s on a 2-core host): one server for the load, burst
+and abort scenarios and the crash; a second on the same segment directory (restart,
+generation 2, clean stop); a third with KVSIDECAR_DISABLE=1.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import json
+import os
+import signal
+import subprocess
+import threading
+import time
+import urllib.request
+
+import pytest
+
+from kvsidecar.bench import fleet
+from kvsidecar.bench import vllm as vb
+from tests.engines import sglang_server as ss
+from tests.engines.envs import engine_python
+
+MAX_TOTAL = 2048  # small: the load below caches more than this, so the radix cache evicts
+SEGMENT = "kvsidecar.sglang.dp0.tp0.pp0"
+
+
+def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if predicate():
+            return True
+        time.sleep(interval)
+    return False
+
+
+def start(python: str, tmp, shm, log_name: str, **env: str) -> subprocess.Popen:
+    port = fleet.free_port()
+    cmd = ss.server_command(python, ss.model_dir(tmp / "model"), port, MAX_TOTAL)
+    proc = vb.start_server(cmd, ss.server_env(shm, **env), tmp / log_name, timeout=420)
+    proc.port = port  # type: ignore[attr-defined]
+    return proc
+
+
+def record(url: str) -> dict:
+    with urllib.request.urlopen(f"{url}/api/v1/snapshots", timeout=10) as r:
+        targets = json.loads(r.read())["targets"]
+    return next((t for t in targets if t["segment"] == SEGMENT), {})
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory):
+    python = engine_python("sglang")
+    if (problem := ss.standin_problem(python)) is not None:
+        pytest.fail(problem)
+    tmp = tmp_path_factory.mktemp("sglang-server")
+    shm = tmp / "shm"
+    shm.mkdir()
+    t0 = time.monotonic()
+    server = start(python, tmp, shm, "server.log")
+    startup_s = time.monotonic() - t0
+    daemon = None
+    try:
+        daemon, url = fleet.start_daemon(
+            str(shm), "--poll-interval", "0.1", "--rediscover-interval", "30", timeout=60
+        )
+        yield {
+            "python": python, "tmp": tmp, "shm": shm, "server": server,
+            "port": server.port, "kvs": url, "startup_s": startup_s,
+        }  # fmt: skip
+    finally:
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            try:
+                daemon.wait(10)
+            except subprocess.TimeoutExpired:
+                daemon.kill()
+        ss.stop(server)
+
+
+def settled(stack) -> tuple[dict, dict]:
+    """SGLang's and kvsidecar's values once SGLang's report has caught up; fails otherwise."""
+    last: list = [None, None, None]
+
+    def agree() -> bool:
+        theirs, ours = ss.sglang_values(stack["port"]), ss.kvsidecar_values(stack["kvs"])
+        last[:] = theirs, ours, ss.mismatches(theirs, ours)
+        return not last[2]
+
+    assert wait_for(agree, 90, 0.5), f"never agreed: {last[2]}\nsglang {last[0]}\nours {last[1]}"
+    print(f"settled: sglang {last[0]} kvsidecar {last[1]}")
+    return last[0], last[1]
+
+
+def test_startup_and_idle_agree(stack):
+    print(f"server start: {stack['startup_s']:.1f} s")
+    theirs, ours = settled(stack)
+    assert ours["total"] == MAX_TOTAL == theirs["max_total_num_tokens"]
+    assert ours["running"] == ours["waiting"] == 0
+
+
+def test_prefix_sharing_under_eviction_pressure(stack):
+    """16 prompts of 200 tokens, 4 groups sharing a 150-token prefix: ~1,300 distinct prompt
+    tokens and their outputs are cached in rounds, more than the 2,048 slots hold, so the
+    radix cache evicts. While it runs every kvsidecar scrape is consistent; settled, exact."""
+    port, url = stack["port"], stack["kvs"]
+    groups = [[(97 * g + 13 * j) % 900 + 50 for j in range(150)] for g in range(4)]
+    prompts = [groups[i % 4] + [(31 * i + 7 * j) % 900 + 50 for j in range(50)] for i in range(16)]
+    seen: list[dict] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(ss.kvsidecar_values(url))
+            except Exception:
+                pass
+            time.sleep(0.1)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        for round_ in range(3):  # rounds: each round's outputs differ, so the tree grows
+            batch = [[*p, round_ + 1] for p in prompts]
+            with concurrent.futures.ThreadPoolExecutor(4) as ex:
+                list(ex.map(lambda p: ss.generate(port, [p], 64), batch))
+    finally:
+        stop.set()
+        sampler.join(5)
+    assert seen, "no kvsidecar scrape during the load"
+    for v in seen:  # page size 1: allocated + available is the whole pool at every step
+        assert v["allocated"] + v["available"] == v["total"] == MAX_TOTAL, v
+        assert v["protected"] <= v["allocated"] and v["cached"] <= v["available"], v
+    assert max(v["allocated"] for v in seen) > 0
+    _theirs, ours = settled(stack)
+    distinct = 4 * 150 + 3 * 16 * (50 + 1 + 64)  # shared prefixes once; tails and outputs
+    assert distinct > MAX_TOTAL and ours["cached"] < distinct, "the load was sized to evict"
+    assert ours["allocated"] == 0 and ours["cached"] > 0, ours
+    print(
+        f"load: {len(seen)} scrapes consistent; max allocated "
+        f"{max(v['allocated'] for v in seen)}; settled cached {ours['cached']} < {distinct}"
+    )
+
+
+def test_burst_running_and_queued(stack):
+    """12 requests at once with --max-running-requests 4: kvsidecar shows 4 running and the
+    rest queued, as SGLang's gauges do; settled, both 0."""
+    port, url = stack["port"], stack["kvs"]
+    prompts = [[(11 * i + j) % 900 + 50 for j in range(40)] for i in range(12)]
+    ours: list[dict] = []
+    theirs: list[dict] = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            try:
+                ours.append(ss.kvsidecar_values(url))
+                theirs.append(ss.sglang_values(port))
+            except Exception:
+                pass
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        ss.generate(port, prompts, 48)  # one HTTP request, 12 SGLang requests
+    finally:
+        stop.set()
+        sampler.join(5)
+    running = max(v["running"] for v in ours)
+    waiting = max(v["waiting"] for v in ours)
+    print(
+        f"burst: kvsidecar max running {running} max queued {waiting}; sglang max running "
+        f"{max(v['num_running_reqs'] for v in theirs)} queued "
+        f"{max(v['num_queue_reqs'] for v in theirs)}; {len(ours)} samples"
+    )
+    assert running == 4, running
+    assert waiting > 0, waiting
+    assert max(v["num_running_reqs"] for v in theirs) <= 4
+    _, s = settled(stack)
+    assert s["running"] == s["waiting"] == 0
+
+
+def test_abort_frees_the_request(stack):
+    port, url = stack["port"], stack["kvs"]
+    rid = "kvsidecar-abort-1"
+    prompt = [(5 * j) % 900 + 50 for j in range(100)]
+    errors: list[BaseException] = []
+
+    def long_request() -> None:
+        try:
+            ss.generate(port, [prompt], 1500, rid=rid)
+        except BaseException as e:  # aborted requests may end with an error status
+            errors.append(e)
+
+    t = threading.Thread(target=long_request, daemon=True)
+    t.start()
+    assert wait_for(lambda: ss.kvsidecar_values(url)["running"] == 1, 120, 0.1)
+    held = ss.kvsidecar_values(url)
+    assert held["allocated"] >= len(prompt), held
+    ss.abort(port, rid)
+    t.join(120)
+    assert not t.is_alive(), "the aborted request never returned"
+    _theirs, ours = settled(stack)
+    assert ours["running"] == 0 and ours["allocated"] == 0, ours
+    print(f"abort: held {held['allocated']} slots while running; settled {ours}")
+
+
+def test_sigkill_of_the_scheduler_reads_dead(stack):
+    """Last on the shared server: SIGKILL its scheduler. The segment reads dead, and stays
+    dead (never closed cleanly) after SGLang's launcher is stopped too."""
+    server, url = stack["server"], stack["kvs"]
+    pids = ss.scheduler_pids(server.pid)
+    assert len(pids) == 1, pids
+    os.kill(pids[0], signal.SIGKILL)
+    rec: dict = {}
+
+    def dead() -> bool:
+        nonlocal rec
+        rec = record(url)
+        return rec.get("state") == "dead"
+
+    assert wait_for(dead, 30), rec
+    os.kill(server.pid, signal.SIGTERM)  # SGLang's launcher: kill_process_tree on a zombie
+    try:
+        server.wait(60)
+    except subprocess.TimeoutExpired:
+        ss.stop(server)
+    time.sleep(1.0)
+    rec = record(url)
+    assert rec.get("state") == "dead" and "closed cleanly" not in str(rec.get("error")), rec
+    assert (stack["shm"] / SEGMENT).exists(), "a killed scheduler's segment was unlinked"
+    print(f"sigkill: {rec.get('state')} {rec.get('error')}")
+
+
+def test_restart_is_generation_2_then_clean_stop_reads_closed(stack):
+    server = start(stack["python"], stack["tmp"], stack["shm"], "server2.log")
+    url = stack["kvs"]
+    try:
+        rec: dict = {}
+
+        def up_again() -> bool:
+            nonlocal rec
+            rec = record(url)
+            return rec.get("state") == "up" and rec.get("generation", 0) >= 2
+
+        assert wait_for(up_again, 60), rec
+        print(f"restart: {rec.get('state')} generation {rec.get('generation')}")
+        ss.generate(server.port, [[50 + j for j in range(30)]], 8)
+        os.kill(server.pid, signal.SIGTERM)  # API server only, as Kubernetes/systemd do
+        server.wait(120)
+
+        def closed() -> bool:
+            nonlocal rec
+            rec = record(url)
+            return "closed cleanly" in str(rec.get("error", ""))
+
+        assert wait_for(closed, 30), rec
+        print(f"clean stop: {rec.get('state')} {rec.get('error')}")
+    finally:
+        ss.stop(server)
+
+
+def test_disabled_by_its_variable(tmp_path):
+    python = engine_python("sglang")
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    server = start(python, tmp_path, shm, "server.log", KVSIDECAR_DISABLE="1")
+    try:
+        out = ss.generate(server.port, [[50 + j for j in range(20)]], 4)
+        assert len(out[0]["output_ids"]) == 4
+        assert list(shm.iterdir()) == [], "KVSIDECAR_DISABLE=1 must leave SGLang alone"
+    finally:
+        ss.stop(server)
