@@ -28,17 +28,11 @@ count below is a multiple of it, so ``x block_size_tokens`` gives SGLang's slots
   null for larger pages, whose unfilled tail slots SGLang does not count in O(1);
 * ``reserved_blocks`` = 0 (SGLang has no reserve ledger); deferral, counters: null.
 
-Hook point (documented, not runnable here: SGLang's scheduler needs CUDA). The agent steps
-once per scheduler iteration in the scheduler process, after the batch result is processed,
-in ``Scheduler.event_loop_normal`` / ``event_loop_overlap`` (``managers/scheduler.py``;
-the disaggregated loops in ``disaggregation/prefill.py`` and ``decode.py`` likewise), e.g.
-by wrapping ``Scheduler.process_batch_result`` and ``Scheduler.on_idle``::
-
-    source = SGLangPoolSource(scheduler.token_to_kv_pool_allocator, scheduler.tree_cache,
-                              max_total_num_tokens=scheduler.max_total_num_tokens)
-    agent.register_pool(source)
-    ...  # after process_batch_result(batch, result), or on_idle()
-    agent.step(len(scheduler.running_batch.reqs), len(scheduler.waiting_queue))
+Hook point: `SGLangSidecar`, attached to every SGLang scheduler by the ``sglang.srt.plugins``
+entry point (``agent/engines/sglang_plugin.py``), publishes after each
+``Scheduler.process_batch_result`` and ``Scheduler.on_idle`` (the two branches of every
+event-loop iteration); tested against a real SGLang 0.5.23 server on CPU
+(tests/engines/test_sglang_server.py).
 
 Hybrid pools (SWA, mamba) and HiCache host tiers are not covered: they have their own
 sizes (``swa_available_size`` ...) and would be more pools.

@@ -31,6 +31,9 @@ from kvsidecar.bench import vllm as vb
 from tests.engines import sglang_server as ss
 from tests.engines.envs import engine_python
 
+# A server start (up to 90 s on a loaded 2-core host) plus a 90 s settle fit, not 300 s.
+pytestmark = pytest.mark.timeout(900)
+
 MAX_TOTAL = 2048  # small: the load below caches more than this, so the radix cache evicts
 SEGMENT = "kvsidecar.sglang.dp0.tp0.pp0"
 
