@@ -334,6 +334,11 @@ def test_quickstart_never_uses_the_production_or_the_bare_shm_directory() -> Non
                 assert "--shm-dir" in argv, line
                 where = argv[argv.index("--shm-dir") + 1].rstrip("/")
                 assert where not in (DEFAULT_SHM_DIR, "/dev/shm"), line
+                # A demo daemon binds loopback like `demo` does (issue #33 item 9).
+                if serve:
+                    assert "--web.listen-address" in argv, line
+                    bound = argv[argv.index("--web.listen-address") + 1]
+                    assert bound.startswith(("127.0.0.1:", "[::1]:", "localhost:")), line
     assert checked >= 4
 
 

@@ -161,6 +161,7 @@ done
 
 echo "run.sh: ready"
 echo "  completions  curl -s 127.0.0.1:$proxy_port/v1/completions -H 'Content-Type: application/json' -d '{\"model\":\"tiny\",\"prompt\":[11,12,13,14],\"max_tokens\":8}'"
+echo "               (the dummy model has no tokenizer: \"text\" is empty; usage.completion_tokens is the check)"
 echo "  kvsidecar    http://127.0.0.1:$metrics_port/metrics (role=\"prefill\" and role=\"decode\")"
 echo "  vLLM         http://127.0.0.1:$prefill_port/metrics http://127.0.0.1:$decode_port/metrics"
 echo "  watch        $REPO/.engine-envs/vllm/bin/kvsidecar dump --shm-dir $shm --watch"

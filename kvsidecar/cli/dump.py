@@ -8,6 +8,7 @@ stderr.
 
 from __future__ import annotations
 
+import logging
 import os
 import re
 import shutil
@@ -49,6 +50,7 @@ def _targets(
     from kvsidecar.daemon.targets import TargetSet
 
     require_dir(shm_dir)
+    _quiet_per_target_lines()
     ts = TargetSet(
         shm_dir,
         prefix=prefix if pattern is None else "",
@@ -67,6 +69,21 @@ def _targets(
             err=True,
         )
     return ts
+
+
+def _drop_per_target(record: logging.LogRecord) -> bool:
+    # Only while nothing set up logging (the bare CLI, where Python's last-resort handler
+    # would print it): a process with handlers (a test, an embedding program) keeps them.
+    return bool(logging.getLogger().handlers) or not getattr(record, "per_target", False)
+
+
+def _quiet_per_target_lines() -> None:
+    """ls and dump print each segment once, as a row: the daemon's per-segment log lines
+    (found, corrupt, gone) would reach a terminal too (Python's last-resort handler), so
+    every bad file showed twice (issue 33 item 7)."""
+    targets_log = logging.getLogger("kvsidecar.targets")
+    if _drop_per_target not in targets_log.filters:
+        targets_log.addFilter(_drop_per_target)
 
 
 def _none_found(shm_dir: str, which: str) -> str:
@@ -228,7 +245,7 @@ def dump(
                 sys.exit(EXIT_NO_TARGET)
             _emit(views, as_json)
             sys.exit(_exit_code(views))
-        _watch(ts, watch, count, as_json)
+        _watch(ts, shm_dir, watch, count, as_json)
     finally:
         ts.stop()
 
@@ -246,7 +263,7 @@ def _emit(views: list[TargetView], as_json: bool) -> None:
         click.echo(render_table(views, shutil.get_terminal_size((160, 40)).columns))
 
 
-def _watch(ts: TargetSet, interval: float, count: int, as_json: bool) -> None:
+def _watch(ts: TargetSet, shm_dir: str, interval: float, count: int, as_json: bool) -> None:
     import msgspec
 
     from kvsidecar.daemon.app import view_record
@@ -260,9 +277,16 @@ def _watch(ts: TargetSet, interval: float, count: int, as_json: bool) -> None:
             if live:
                 # Clear and redraw, like top.
                 sys.stdout.write("\x1b[H\x1b[2J")
+                # A directory removed under the watch says so, as plain dump does, rather
+                # than "0 segments" forever (issue 33 item 7).
+                what = (
+                    f"{len(views)} segments"
+                    if views or os.path.isdir(shm_dir)
+                    else _none_found(shm_dir, "")
+                )
                 click.echo(
                     f"kvsidecar dump --watch {interval}s   {time.strftime('%H:%M:%S')}"
-                    f"   ({len(views)} segments, Ctrl-C to quit)"
+                    f"   ({what}, Ctrl-C to quit)"
                 )
                 click.echo(render_table(views, shutil.get_terminal_size((160, 40)).columns))
             else:

@@ -366,7 +366,7 @@ def serve(
     try:
         web_config = load_web_config(web_config_file) if web_config_file else None
     except WebConfigError as e:
-        click.echo(f"kvsidecar: {e}", err=True)
+        _start_error(str(e))
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     allowed = allowed_uids(allow_uids, allow_any_uid)
     targets = TargetSet(
@@ -410,7 +410,7 @@ def serve(
                 max_connections=gateway_max_connections,
             )
         except GatewayListenError as e:
-            click.echo(f"kvsidecar: {e}", err=True)
+            _start_error(str(e))
             _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
         daemon.gateway_server = gateway
     try:
@@ -435,7 +435,7 @@ def serve(
                 f"({settings.WEB_LISTEN_ADDRESS.name}) with a free port, "
                 f"e.g. :{_suggest(addresses)}"
             )
-        click.echo(f"kvsidecar: cannot listen on {' '.join(addresses)}: {why}", err=True)
+        _start_error(f"cannot listen on {' '.join(addresses)}: {why}")
         if gateway is not None:
             gateway.shutdown()
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
@@ -468,6 +468,12 @@ def serve(
     targets.stop()
 
 
+def _start_error(message: str) -> None:
+    """A start-up error, in --log.format like every other line (issue 33 item 2): under
+    Kubernetes with --hold-on-error these are the only lines explaining a silent sidecar."""
+    logging.getLogger("kvsidecar").error("%s", message)
+
+
 _HELD_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
 HOLD_RETRY_MIN_S, HOLD_RETRY_MAX_S = 1.0, 60.0
 
@@ -481,10 +487,10 @@ def _exit(code: int, hold: bool, stopping: StopFlag, hangups: list[int]) -> None
     sidecar that had lost a 4-second port race serving nothing until restarted."""
     if hold and not stopping.is_set():
         delay = min(HOLD_RETRY_MAX_S, max(HOLD_RETRY_MIN_S, _held_seconds() / 2))
-        click.echo(
-            f"kvsidecar: --hold-on-error: staying up, not serving; retrying in {delay:.0f} s "
+        logging.getLogger("kvsidecar").warning(
+            "--hold-on-error: staying up, not serving; retrying in %.0f s "
             "(at once on SIGHUP) until SIGTERM",
-            err=True,
+            delay,
         )
         deadline = time.monotonic() + delay
         while not stopping.wait(0.2):

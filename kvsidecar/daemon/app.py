@@ -126,6 +126,16 @@ class Daemon:
         summary = ", ".join(f"{v.name}={v.state}" for v in views[:_READY_LIST_MAX])
         if len(views) > _READY_LIST_MAX:
             summary += f", ... ({len(views)} segments)"
+        refused = self.targets.refused_by_reason()
+        if refused:
+            # The likeliest first-install failures (the daemon not in the engine's group:
+            # unreadable; the engine's uid not trusted: foreign_owner) leave no segment at
+            # all: say so here, by reason (issue 33 item 1). Names: `kvsidecar ls`, the log.
+            total = self.targets.refused_count
+            reasons = ", ".join(
+                r if len(refused) == 1 else f"{n} {r}" for r, n in sorted(refused.items())
+            )
+            summary = (summary or "no segment up") + f"; {total} refused ({reasons})"
         summary = summary or "no segments"
         if self.targets.waiting:  # their names are in no series yet: say how many
             summary += f"; {self.targets.waiting} new segment(s) waiting for admission"

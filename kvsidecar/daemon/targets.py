@@ -122,7 +122,8 @@ class NameThrottle:
             self._seen[name] = [tokens, now, held + 1]
             return
         more = f" ({held} more held back)" if held else ""
-        log.log(level, "%s: " + message + "%s", name, *args, more)
+        # per_target marks the line as one segment's news: the CLI's table already shows it.
+        log.log(level, "%s: " + message + "%s", name, *args, more, extra={"per_target": True})
         self._seen[name] = [tokens - 1, now, 0]
         if len(self._seen) > self.names:
             self._seen.popitem(last=False)

@@ -5,6 +5,7 @@ and stays in its Service; without it the process exits, as before."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import socket
@@ -65,12 +66,42 @@ def test_start_error_holds_until_sigterm(
         held.send_signal(signal.SIGTERM)
         assert held.wait(30) == EXIT_USAGE
         err = held.stderr.read()
-        assert "kvsidecar: " in err and "staying up" in err, err
+        assert "level=error" in err and "staying up" in err, err
     finally:
         if held.poll() is None:
             held.kill()
             held.wait()
         busy_port.close()
+
+
+@pytest.mark.parametrize("hold", [False, True])
+def test_start_errors_honor_the_log_format(
+    tmp_path: Path, busy_port: socket.socket, hold: bool
+) -> None:
+    """Issue 33 item 2: with --log.format json every line on stderr is JSON, the start-up
+    error and the hold notice included (they were plain `kvsidecar: ...` lines)."""
+    port = busy_port.getsockname()[1]
+    args = ("--web.listen-address", f"127.0.0.1:{port}", "--log.format", "json")
+    proc = serve(tmp_path, *args, hold=hold)
+    try:
+        if hold:
+            lines: list[str] = []
+            assert wait_for(
+                lambda: lines.append(proc.stderr.readline()) or "staying up" in lines[-1],
+                timeout=60,
+            ), lines
+            proc.send_signal(signal.SIGTERM)
+        assert proc.wait(60) == EXIT_USAGE
+        err = (("".join(lines)) if hold else "") + proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        busy_port.close()
+    records = [json.loads(ln) for ln in err.splitlines() if ln.strip()]
+    errors = [r for r in records if r["level"] == "error"]
+    assert errors and "port in use by another process" in errors[0]["msg"], err
+    assert any("staying up" in r["msg"] for r in records) == hold, err
 
 
 # write(2)'s syscall number: /proc/PID/syscall shows it while the process blocks in it.
