@@ -205,6 +205,10 @@ class _Front:
         # must not count as being answered: 420 addresses each re-sending a wrong
         # password would otherwise leave nothing evictable and refuse every probe.
         self.failing: OrderedDict[_Conn, None] = OrderedDict()
+        # Connections whose request waits for a render slot: nothing was done for them
+        # yet, so closing one costs no work. Without this, slow readers from a probe's
+        # own address fill the cap with queued scrapes and leave it nothing to close.
+        self.queued: OrderedDict[_Conn, None] = OrderedDict()
         # Connections whose first credentials wait for a bcrypt turn: evictable last, for
         # the same reason (a queue of distinct wrong passwords must not hold the cap).
         self.checking: OrderedDict[_Conn, None] = OrderedDict()
@@ -290,6 +294,7 @@ class _Front:
             or self.stalled
             or self._settled(self.fresh)
             or self.waiting
+            or self.queued
             or self.checking
             or self.fresh
         )
@@ -306,7 +311,8 @@ class _Front:
         return tier
 
     def _oldest_of(self, host: str) -> _Conn | None:
-        for tier in (self.failing, self.stalled, self.fresh, self.waiting, self.checking):
+        tiers = (self.failing, self.stalled, self.fresh, self.waiting, self.queued, self.checking)
+        for tier in tiers:
             for c in tier:  # oldest first; only at the cap, so the scan is rare
                 if c.host == host:
                     return c
@@ -319,6 +325,7 @@ class _Front:
         self.stalled.pop(conn, None)
         self.failing.pop(conn, None)
         self.checking.pop(conn, None)
+        self.queued.pop(conn, None)
         conns = self.by_host.get(conn.host)
         if conns is not None:
             conns.pop(conn, None)
@@ -548,8 +555,10 @@ class _Front:
         self, conn: _Conn, request: Request, headers: dict[str, str]
     ) -> tuple[int, bytes, str]:
         web = self.web
+        self.queued[conn] = None  # closable at the cap until its turn comes
         try:
             async with self.requests.turn(conn.host, wait_s=RENDER_WAIT_S):
+                self.queued.pop(conn, None)
                 web.stats.request_started()
                 try:
                     body, ctype, extra = await self.render_pool.submit(
@@ -562,6 +571,8 @@ class _Front:
                     web.stats.request_finished()
         except Refused:
             return 503, b"503 too many concurrent requests, try again later\n", _PLAIN
+        finally:
+            self.queued.pop(conn, None)
         headers.update(extra)
         return 200, body, ctype
 
@@ -592,7 +603,7 @@ class _Front:
         tier[conn] = None  # queued for bcrypt: closable at the cap (see self.failing)
         try:
             ok = await self.auth_gate.run(
-                conn.host, lambda: auth.verify(*creds), conn.failed, gone=lambda: _gone(conn)
+                conn.host, lambda: auth.verify(*creds), suspect, gone=lambda: _gone(conn)
             )
         finally:
             tier.pop(conn, None)

@@ -18,10 +18,11 @@ import pytest
 from kvsidecar.web.config_file import parse_web_config
 from kvsidecar.web.server import WebServer
 
+from .hostile import answered_probes, attackers, port_of
+
 ATTACKERS = 40  # one connection each, from its own loopback address
 CAP = 24
 PROBES = 20
-PROBE_TIMEOUT_S = 3.0
 
 
 def _metrics() -> tuple[bytes, str]:
@@ -66,35 +67,12 @@ def _attack(port: int, k: int, stop: threading.Event, sent: list[int]) -> None:
             time.sleep(0.05)
 
 
-def _probe(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=PROBE_TIMEOUT_S) as s:
-            s.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
-            return s.recv(64).startswith(b"HTTP/1.1 200")
-    except OSError:
-        return False
-
-
 def test_probes_answered_while_busy_wrong_logins_hold_the_cap(server: WebServer) -> None:
-    port = int(server.addresses[0].rsplit(":", 1)[1])
-    stop = threading.Event()
+    port = port_of(server)
     sent = [0] * ATTACKERS
-    threads = [
-        threading.Thread(target=_attack, args=(port, k, stop, sent), daemon=True)
-        for k in range(ATTACKERS)
-    ]
-    for t in threads:
-        t.start()
-    try:
+    with attackers(lambda k, stop: _attack(port, k, stop, sent), ATTACKERS):
         time.sleep(1.5)  # every attacker connected, its check queued
-        answered = 0
-        for _ in range(PROBES):
-            answered += _probe(port)
-            time.sleep(0.1)
+        answered = answered_probes(port, PROBES)
         assert sum(sent) >= CAP, "the flood did not run"
-    finally:
-        stop.set()
-        for t in threads:
-            t.join(15)
     # Before the fix nearly every probe was refused (2/43 in the issue); the goal is 95 %.
     assert answered >= PROBES * 0.9, f"{answered}/{PROBES} probes answered"
