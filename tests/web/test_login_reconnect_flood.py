@@ -80,6 +80,7 @@ def test_login_not_queued_behind_reconnecting_wrong_passwords(server: WebServer)
         time.sleep(3.0)  # every address has failed once and keeps a check queued
         took = [_login_time(port, i) for i in (1, 2, 3)]  # uncached users
         assert sum(1 for c in sent if c) >= ADDRESSES // 2, "the flood did not run"
+    print(f"logins {[round(t, 2) for t in took]} s, baseline {baseline:.2f} s")  # for -rP
     # Round-robin among 64 addresses is ~64 checks; a login ahead of the suspects waits
     # for the check in progress and its own. 16 checks' worth tells them apart on a
     # loaded host.
