@@ -39,7 +39,7 @@ import threading
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from kvsidecar.web.accept import Acceptor
@@ -91,6 +91,8 @@ TLS_CONNECTION_BYTES = 64 << 10
 CONNECTION_MEMORY = 12 << 20
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
+FAILED_HOSTS_MEMORY = 4096  # addresses remembered as having sent wrong credentials
+FRESH_GRACE_S = 1.0  # a new connection's time to send its head before it is evictable
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
 # TLS handshakes run on their own thread (OpenSSL releases the GIL for the RSA work):
 # one, so a handshake flood costs at most one core and the loop keeps the other.
@@ -121,6 +123,7 @@ class _Conn:
     # those that never did (tricklers), so reconnecting tricklers from a probe's own
     # address cannot close the probe mid-handshake whatever the cap.
     progressed: bool = False
+    born: float = field(default_factory=time.monotonic)
 
 
 async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes]) -> bool:
@@ -197,6 +200,22 @@ class _Front:
         # Connections whose answer waits for the client to read it, oldest first: closed
         # before any of those, since they already took their answer (slow readers).
         self.stalled: OrderedDict[_Conn, None] = OrderedDict()
+        # Connections sitting out the pause after wrong credentials, oldest first: closed
+        # before any other. They are busy only with being refused, so at the cap they
+        # must not count as being answered: 420 addresses each re-sending a wrong
+        # password would otherwise leave nothing evictable and refuse every probe.
+        self.failing: OrderedDict[_Conn, None] = OrderedDict()
+        # Connections whose request waits for a render slot: nothing was done for them
+        # yet, so closing one costs no work. Without this, slow readers from a probe's
+        # own address fill the cap with queued scrapes and leave it nothing to close.
+        self.queued: OrderedDict[_Conn, None] = OrderedDict()
+        # Connections whose first credentials wait for a bcrypt turn: evictable last, for
+        # the same reason (a queue of distinct wrong passwords must not hold the cap).
+        self.checking: OrderedDict[_Conn, None] = OrderedDict()
+        # Addresses that sent wrong credentials lately (bounded, oldest forgotten): a new
+        # connection from one is suspect from its first check, so reconnecting after an
+        # eviction does not buy an attacker the protection of a first login.
+        self.failed_hosts: OrderedDict[str, None] = OrderedDict()
         self.acceptors: list[Acceptor] = []
         self.connecting: set[asyncio.Task] = set()  # strong references until set up
         self.unadmitted = 0  # accepted, not yet through _admit
@@ -270,11 +289,30 @@ class _Front:
             return self._oldest_of(heaviest) or next(iter(self.by_host[heaviest]))
         if mine:
             return self._oldest_of(host)  # None: refused, lighter addresses keep theirs
-        idle = self.stalled or self.fresh or self.waiting
+        idle = (
+            self.failing
+            or self.stalled
+            or self._settled(self.fresh)
+            or self.waiting
+            or self.queued
+            or self.checking
+            or self.fresh
+        )
         return next(iter(idle)) if idle else None
 
+    @staticmethod
+    def _settled(tier: OrderedDict[_Conn, None]) -> OrderedDict[_Conn, None] | None:
+        """``tier`` if its oldest had `FRESH_GRACE_S` to send a head, else None: a
+        connection accepted a moment ago is no trickler yet, and closing it would let
+        reconnecting attackers close every probe before its first byte arrives."""
+        oldest = next(iter(tier), None)
+        if oldest is None or time.monotonic() - oldest.born < FRESH_GRACE_S:
+            return None
+        return tier
+
     def _oldest_of(self, host: str) -> _Conn | None:
-        for tier in (self.stalled, self.fresh, self.waiting):
+        tiers = (self.failing, self.stalled, self.fresh, self.waiting, self.queued, self.checking)
+        for tier in tiers:
             for c in tier:  # oldest first; only at the cap, so the scan is rare
                 if c.host == host:
                     return c
@@ -285,6 +323,9 @@ class _Front:
         self.waiting.pop(conn, None)
         self.fresh.pop(conn, None)
         self.stalled.pop(conn, None)
+        self.failing.pop(conn, None)
+        self.checking.pop(conn, None)
+        self.queued.pop(conn, None)
         conns = self.by_host.get(conn.host)
         if conns is not None:
             conns.pop(conn, None)
@@ -490,7 +531,11 @@ class _Front:
                     # Wrong credentials answer after a pause (known and unknown users
                     # alike): a coroutine asleep costs nothing, and a flood repeating a
                     # cached wrong password can no longer saturate the loop.
-                    await asyncio.sleep(FAILED_AUTH_DELAY_S)
+                    self.failing[conn] = None  # evictable first while it sits out the pause
+                    try:
+                        await asyncio.sleep(FAILED_AUTH_DELAY_S)
+                    finally:
+                        self.failing.pop(conn, None)
                 headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
                 status, body = 401, b"401 unauthorized\n"
         elif not known:
@@ -510,8 +555,10 @@ class _Front:
         self, conn: _Conn, request: Request, headers: dict[str, str]
     ) -> tuple[int, bytes, str]:
         web = self.web
+        self.queued[conn] = None  # closable at the cap until its turn comes
         try:
             async with self.requests.turn(conn.host, wait_s=RENDER_WAIT_S):
+                self.queued.pop(conn, None)
                 web.stats.request_started()
                 try:
                     body, ctype, extra = await self.render_pool.submit(
@@ -524,6 +571,8 @@ class _Front:
                     web.stats.request_finished()
         except Refused:
             return 503, b"503 too many concurrent requests, try again later\n", _PLAIN
+        finally:
+            self.queued.pop(conn, None)
         headers.update(extra)
         return 200, body, ctype
 
@@ -546,14 +595,29 @@ class _Front:
             return False
         cached = state.auth.lookup(*creds)
         if cached is not None:
-            conn.failed = conn.failed or not cached
+            self._note_failure(conn, not cached)
             return cached
         auth = state.auth
-        ok = await self.auth_gate.run(
-            conn.host, lambda: auth.verify(*creds), conn.failed, gone=lambda: _gone(conn)
-        )
-        conn.failed = conn.failed or ok is False
+        suspect = conn.failed or conn.host in self.failed_hosts
+        tier = self.failing if suspect else self.checking
+        tier[conn] = None  # queued for bcrypt: closable at the cap (see self.failing)
+        try:
+            ok = await self.auth_gate.run(
+                conn.host, lambda: auth.verify(*creds), suspect, gone=lambda: _gone(conn)
+            )
+        finally:
+            tier.pop(conn, None)
+        self._note_failure(conn, ok is False)
         return ok
+
+    def _note_failure(self, conn: _Conn, failed: bool) -> None:
+        if not failed:
+            return
+        conn.failed = True
+        self.failed_hosts[conn.host] = None
+        self.failed_hosts.move_to_end(conn.host)
+        if len(self.failed_hosts) > FAILED_HOSTS_MEMORY:
+            self.failed_hosts.popitem(last=False)
 
     async def _write(
         self,
