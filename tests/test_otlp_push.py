@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import http.server
 import socket
 import threading
 import time
@@ -12,13 +11,11 @@ import pytest
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
 
 from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
-from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
-    ExportMetricsServiceRequest,
-)
 from prometheus_client.core import CounterMetricFamily
 
 from kvsidecar.daemon.metric_defs import RANK_LABELS
 from kvsidecar.otlp.push import Pusher
+from tests.otlp_receiver import start_receiver
 
 WAIT_S = 60.0  # generous: a shared 2-core host; never a bound on speed
 
@@ -29,27 +26,6 @@ def _families():
     return [f]
 
 
-def _receiver(stall: threading.Event | None = None):
-    got: list[ExportMetricsServiceRequest] = []
-
-    class H(http.server.BaseHTTPRequestHandler):
-        def do_POST(self) -> None:
-            body = self.rfile.read(int(self.headers["Content-Length"]))
-            if stall is not None:
-                stall.wait()
-            got.append(ExportMetricsServiceRequest.FromString(body))
-            self.send_response(200)
-            self.send_header("Content-Length", "0")
-            self.end_headers()
-
-        def log_message(self, *a) -> None:
-            pass
-
-    srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
-    threading.Thread(target=srv.serve_forever, daemon=True).start()
-    return srv, got
-
-
 def _until(cond) -> None:
     deadline = time.monotonic() + WAIT_S
     while not cond() and time.monotonic() < deadline:
@@ -57,8 +33,8 @@ def _until(cond) -> None:
     assert cond()
 
 
-def test_push_reaches_receiver() -> None:
-    srv, got = _receiver()
+def test_push_reachesstart_receiver() -> None:
+    srv, got = start_receiver()
     url = f"http://127.0.0.1:{srv.server_address[1]}/v1/metrics"
     p = Pusher(_families, OTLPMetricExporter(endpoint=url, timeout=5), 0.05)
     p.start()
@@ -71,7 +47,7 @@ def test_push_reaches_receiver() -> None:
 
 def test_stalled_receiver_drops_counted_memory_bounded() -> None:
     stall = threading.Event()
-    srv, _ = _receiver(stall)
+    srv, _ = start_receiver(stall)
     url = f"http://127.0.0.1:{srv.server_address[1]}/v1/metrics"
     p = Pusher(_families, OTLPMetricExporter(endpoint=url, timeout=30), 3600, maxsize=2)
     p.start()
