@@ -12,7 +12,7 @@ RUN_STAMP := $(VENV)/.run-stamp
 
 $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
-	$(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[agent,dev]'
+	$(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[agent,dev,otlp]'
 	touch $(STAMP) $(RUN_STAMP)
 
 # What `make run` needs and no more (no test or benchmark tools), saying what it does: the

@@ -19,6 +19,7 @@ setup(
         "kvsidecar.cli",
         "kvsidecar.daemon",
         "kvsidecar.web",
+        "kvsidecar.otlp",
         "kvsidecar.bench",
         "kvsidecar.agent",
         "kvsidecar.agent.demo",

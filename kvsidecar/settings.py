@@ -216,6 +216,44 @@ GATEWAY_MAX_CONNECTIONS = _s(
     DAEMON,
     flag="--gateway.max-connections",
 )
+# -- OTLP push (kvsidecar/otlp/, docs/otlp.md; needs the kvsidecar[otlp] extra) ----------------
+OTLP_ENDPOINT = _s(
+    "OTLP_ENDPOINT",
+    "str",
+    None,
+    "push the metrics to this OTLP/HTTP endpoint, e.g. https://collector:4318/v1/metrics "
+    "(off when unset; needs kvsidecar[otlp])",
+    DAEMON,
+    flag="--otlp.endpoint",
+)
+OTLP_INTERVAL = _s(
+    "OTLP_INTERVAL", "float", 15.0, "seconds between pushes", DAEMON, flag="--otlp.interval"
+)
+OTLP_TEMPORALITY = _s(
+    "OTLP_TEMPORALITY",
+    "str",
+    "cumulative",
+    "counters as cumulative or delta sums",
+    DAEMON,
+    flag="--otlp.temporality",
+)
+OTLP_HEADERS_FILE = _s(
+    "OTLP_HEADERS_FILE",
+    "str",
+    None,
+    "file of `name: value` lines sent with each push (an auth token: never on the command line)",
+    DAEMON,
+    flag="--otlp.headers-file",
+)
+OTLP_CA_FILE = _s(
+    "OTLP_CA_FILE", "str", None, "CA bundle to verify the endpoint", DAEMON, flag="--otlp.ca-file"
+)
+OTLP_CERT_FILE = _s(
+    "OTLP_CERT_FILE", "str", None, "client certificate (TLS)", DAEMON, flag="--otlp.cert-file"
+)
+OTLP_KEY_FILE = _s(
+    "OTLP_KEY_FILE", "str", None, "client certificate's key (TLS)", DAEMON, flag="--otlp.key-file"
+)
 ALLOW_UID = _s(
     "ALLOW_UID",
     "list",

@@ -22,6 +22,7 @@ from kvsidecar.cli.options import (
     trust_options,
 )
 from kvsidecar.logsetup import log_options, setup_logging
+from kvsidecar.otlp.options import otlp_options
 from kvsidecar.protocol.names import InvalidName, validate_name
 from kvsidecar.settings import DEFAULT_LISTEN
 from kvsidecar.stopflag import StopFlag
@@ -288,6 +289,7 @@ def _telemetry_path(value: str) -> str:
     envvar=settings.NEW_TARGET_INTERVAL.name,
     help="Seconds per further new segment name; a name exported before costs none.",
 )
+@otlp_options
 @log_options
 def serve(
     shm_dir: str,
@@ -320,6 +322,7 @@ def serve(
     new_target_interval: float,
     log_level: str,
     log_format: str,
+    **otlp: object,  # --otlp.* (kvsidecar/otlp/options.py)
 ) -> None:
     """Serve every segment's snapshots: Prometheus /metrics, JSON and health endpoints."""
     from kvsidecar.daemon.admission import Admission
@@ -441,6 +444,14 @@ def serve(
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     targets.poll_all()
     targets.start()
+    # The OTLP push, off the serving path on its own threads (kvsidecar/otlp/push.py).
+    from kvsidecar.otlp.options import OtlpConfigError, start_push
+
+    try:
+        start_push(otlp, daemon.collector.collect)
+    except OtlpConfigError as e:
+        click.echo(f"kvsidecar: {e}", err=True)
+        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     scheme = "https" if server.tls else "http"
     log.info(
         "kvsidecar %s serving %s on %s (%s), shm_dir=%s prefix=%s",

@@ -1,0 +1,74 @@
+"""Families -> OTLP (kvsidecar/otlp/convert.py): one Resource per rank, values kept, delta."""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("opentelemetry.sdk", reason="needs the kvsidecar[otlp] extra")
+
+from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from prometheus_client.core import (
+    CounterMetricFamily,
+    GaugeMetricFamily,
+    HistogramMetricFamily,
+)
+
+from kvsidecar.daemon.metric_defs import POOL_LABELS, RANK_LABELS
+from kvsidecar.otlp.convert import Delta, to_metrics_data
+
+
+def _families(steps: float, count: float) -> list:
+    steps_f = CounterMetricFamily("kvsidecar_engine_steps", "", labels=RANK_LABELS)
+    alloc = GaugeMetricFamily("kvsidecar_kv_pool_allocated_blocks", "", labels=POOL_LABELS)
+    for dp in ("0", "1"):
+        rank = ["seg" + dp, "vllm", "m", "decode", dp, "0", "0"]
+        steps_f.add_metric(rank, steps + int(dp))
+        alloc.add_metric([*rank, "kv", "0"], 10 + int(dp))
+    hist = HistogramMetricFamily("kvsidecar_http_request_duration_seconds", "", labels=["handler"])
+    hist.add_metric(["/metrics"], [("0.1", count), ("+Inf", count + 1)], sum_value=0.5)
+    return [steps_f, alloc, hist]
+
+
+def _points(req) -> dict:
+    out = {}
+    for rm in req.resource_metrics:
+        res = {a.key: a.value.string_value for a in rm.resource.attributes}
+        for sm in rm.scope_metrics:
+            for m in sm.metrics:
+                kind = m.WhichOneof("data")
+                for p in getattr(m, kind).data_points:
+                    attrs = tuple(sorted((a.key, a.value.string_value) for a in p.attributes))
+                    key = (res.get("kvsidecar.dp_rank", ""), m.name, attrs)
+                    if kind == "histogram":
+                        out[key] = (p.count, p.sum, list(p.bucket_counts), m.unit)
+                    else:
+                        v = p.as_int if p.WhichOneof("value") == "as_int" else p.as_double
+                        out[key] = (
+                            v,
+                            m.unit,
+                            getattr(m, kind).aggregation_temporality if kind == "sum" else None,
+                        )
+    return out
+
+
+def test_cumulative_one_resource_per_rank() -> None:
+    req = encode_metrics(to_metrics_data(_families(5, 2), 2_000, 1_000))
+    assert len(req.resource_metrics) == 3  # two ranks + the daemon's own
+    pts = _points(req)
+    assert pts[("0", "kvsidecar.engine.steps", ())] == (5, "{step}", 2)  # 2 = CUMULATIVE
+    assert pts[("1", "kvsidecar.engine.steps", ())] == (6, "{step}", 2)
+    key = ("1", "kvsidecar.kv_pool.allocated_blocks", (("group", "0"), ("pool", "kv")))
+    assert pts[key][:2] == (11, "{block}")
+    hist = pts[("", "kvsidecar.http_request_duration", (("handler", "/metrics"),))]
+    assert hist == (3, 0.5, [2, 1], "s")
+
+
+def test_delta_sends_differences() -> None:
+    d = Delta()
+    to_metrics_data(_families(5, 2), 2_000, 1_000, d)
+    pts = _points(encode_metrics(to_metrics_data(_families(9, 3), 3_000, 2_000, d)))
+    assert pts[("0", "kvsidecar.engine.steps", ())] == (4, "{step}", 1)  # 1 = DELTA
+    key = ("0", "kvsidecar.kv_pool.allocated_blocks", (("group", "0"), ("pool", "kv")))
+    assert pts[key][0] == 10  # gauges stay as they are
+    hist = pts[("", "kvsidecar.http_request_duration", (("handler", "/metrics"),))]
+    assert hist[:3] == (1, 0.0, [1, 0])
