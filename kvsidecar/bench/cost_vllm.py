@@ -69,11 +69,7 @@ def run(quick: bool = False) -> dict[str, Any]:
         vllm_body = urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read()
         pool = concurrent.futures.ThreadPoolExecutor(CLIENTS)
 
-        def work() -> None:
-            prompts = [[(k * 37 + j * 11) % 997 + 3 for j in range(64)] for k in range(requests)]
-            reqs = [vllm.complete(port, p, max_tokens) for p in prompts]
-            for body in pool.map(lambda r: urllib.request.urlopen(r, timeout=120).read(), reqs):
-                assert b'"choices"' in body
+        work = vllm.fixed_completions(port, requests, max_tokens, pool, timeout=120)
 
         work()  # warm-up: compile, caches
         # A second warm-up under kvsidecar@50 measures what one scrape costs its observers

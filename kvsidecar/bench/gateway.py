@@ -258,11 +258,7 @@ def bench_vllm(rounds: int, requests: int, max_tokens: int) -> dict[str, Any]:
             )
         engine_bytes = len(urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics").read())
 
-        def work() -> None:
-            prompts = [[(k * 37 + j * 11) % 997 + 3 for j in range(64)] for k in range(requests)]
-            reqs = [vllm.complete(port, p, max_tokens) for p in prompts]
-            for body in pool.map(lambda r: urllib.request.urlopen(r, timeout=300).read(), reqs):
-                assert b'"choices"' in body
+        work = vllm.fixed_completions(port, requests, max_tokens, pool, timeout=300)
 
         work()  # warm-up
         per_round = cost.interleaved_rounds(

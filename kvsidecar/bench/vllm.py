@@ -17,6 +17,8 @@ import tempfile
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
+from concurrent.futures import Executor
 from pathlib import Path
 from typing import Any
 
@@ -221,6 +223,21 @@ def complete(
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
+
+
+def fixed_completions(
+    port: int, requests: int, max_tokens: int, pool: Executor, timeout: float = 300.0
+) -> Callable[[], None]:
+    """The cost benchmarks' fixed workload: ``requests`` completions of the same 64-token
+    prompts (``max_tokens``, ``ignore_eos``), sent through ``pool``; each call repeats it."""
+    prompts = [[(k * 37 + j * 11) % 997 + 3 for j in range(64)] for k in range(requests)]
+
+    def work() -> None:
+        reqs = [complete(port, p, max_tokens) for p in prompts]
+        for body in pool.map(lambda r: urllib.request.urlopen(r, timeout=timeout).read(), reqs):
+            assert b'"choices"' in body
+
+    return work
 
 
 def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -16,6 +16,7 @@ generation 2, clean stop); a third with KVSIDECAR_DISABLE=1.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 import os
 import signal
@@ -23,6 +24,7 @@ import subprocess
 import threading
 import time
 import urllib.request
+from collections.abc import Iterator
 
 import pytest
 
@@ -30,21 +32,13 @@ from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
 from tests.engines import sglang_server as ss
 from tests.engines.envs import engine_python
+from tests.procs import wait_for
 
 # A server start (up to 90 s on a loaded 2-core host) plus a 90 s settle fit, not 300 s.
 pytestmark = pytest.mark.timeout(900)
 
 MAX_TOTAL = 2048  # small: the load below caches more than this, so the radix cache evicts
 SEGMENT = "kvsidecar.sglang.dp0.tp0.pp0"
-
-
-def wait_for(predicate, timeout: float, interval: float = 0.2) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return False
 
 
 def start(python: str, tmp, shm, log_name: str, **env: str) -> subprocess.Popen:
@@ -83,12 +77,32 @@ def stack(tmp_path_factory):
         }  # fmt: skip
     finally:
         if daemon is not None:
-            daemon.send_signal(signal.SIGTERM)
-            try:
-                daemon.wait(10)
-            except subprocess.TimeoutExpired:
-                daemon.kill()
+            fleet.stop_daemon(daemon)
         ss.stop(server)
+
+
+@contextlib.contextmanager
+def sampling(read, interval: float) -> Iterator[list]:
+    """``read()`` every ``interval`` s on a thread while the block runs (a failed read is
+    skipped: the server may be between states); yields the list of what it returned."""
+    seen: list = []
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            try:
+                seen.append(read())
+            except Exception:
+                pass
+            time.sleep(interval)
+
+    sampler = threading.Thread(target=sample, daemon=True)
+    sampler.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        sampler.join(5)
 
 
 def settled(stack) -> tuple[dict, dict]:
@@ -119,27 +133,11 @@ def test_prefix_sharing_under_eviction_pressure(stack):
     port, url = stack["port"], stack["kvs"]
     groups = [[(97 * g + 13 * j) % 900 + 50 for j in range(150)] for g in range(4)]
     prompts = [groups[i % 4] + [(31 * i + 7 * j) % 900 + 50 for j in range(50)] for i in range(16)]
-    seen: list[dict] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            try:
-                seen.append(ss.kvsidecar_values(url))
-            except Exception:
-                pass
-            time.sleep(0.1)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with sampling(lambda: ss.kvsidecar_values(url), 0.1) as seen:
         for round_ in range(3):  # rounds: each round's outputs differ, so the tree grows
             batch = [[*p, round_ + 1] for p in prompts]
             with concurrent.futures.ThreadPoolExecutor(4) as ex:
                 list(ex.map(lambda p: ss.generate(port, [p], 64), batch))
-    finally:
-        stop.set()
-        sampler.join(5)
     assert seen, "no kvsidecar scrape during the load"
     for v in seen:  # page size 1: allocated + available is the whole pool at every step
         assert v["allocated"] + v["available"] == v["total"] == MAX_TOTAL, v
@@ -160,26 +158,10 @@ def test_burst_running_and_queued(stack):
     rest queued, as SGLang's gauges do; settled, both 0."""
     port, url = stack["port"], stack["kvs"]
     prompts = [[(11 * i + j) % 900 + 50 for j in range(40)] for i in range(12)]
-    ours: list[dict] = []
-    theirs: list[dict] = []
-    stop = threading.Event()
-
-    def sample() -> None:
-        while not stop.is_set():
-            try:
-                ours.append(ss.kvsidecar_values(url))
-                theirs.append(ss.sglang_values(port))
-            except Exception:
-                pass
-            time.sleep(0.05)
-
-    sampler = threading.Thread(target=sample, daemon=True)
-    sampler.start()
-    try:
+    with sampling(lambda: (ss.kvsidecar_values(url), ss.sglang_values(port)), 0.05) as pairs:
         ss.generate(port, prompts, 48)  # one HTTP request, 12 SGLang requests
-    finally:
-        stop.set()
-        sampler.join(5)
+    ours = [o for o, _ in pairs]
+    theirs = [t for _, t in pairs]
     running = max(v["running"] for v in ours)
     waiting = max(v["waiting"] for v in ours)
     print(
@@ -233,7 +215,7 @@ def test_sigkill_of_the_scheduler_reads_dead(stack):
         rec = record(url)
         return rec.get("state") == "dead"
 
-    assert wait_for(dead, 30), rec
+    assert wait_for(dead, 30, 0.2), rec
     os.kill(server.pid, signal.SIGTERM)  # SGLang's launcher: kill_process_tree on a zombie
     try:
         server.wait(60)
@@ -257,7 +239,7 @@ def test_restart_is_generation_2_then_clean_stop_reads_closed(stack):
             rec = record(url)
             return rec.get("state") == "up" and rec.get("generation", 0) >= 2
 
-        assert wait_for(up_again, 60), rec
+        assert wait_for(up_again, 60, 0.2), rec
         print(f"restart: {rec.get('state')} generation {rec.get('generation')}")
         ss.generate(server.port, [[50 + j for j in range(30)]], 8)
         os.kill(server.pid, signal.SIGTERM)  # API server only, as Kubernetes/systemd do
@@ -268,7 +250,7 @@ def test_restart_is_generation_2_then_clean_stop_reads_closed(stack):
             rec = record(url)
             return "closed cleanly" in str(rec.get("error", ""))
 
-        assert wait_for(closed, 30), rec
+        assert wait_for(closed, 30, 0.2), rec
         print(f"clean stop: {rec.get('state')} {rec.get('error')}")
     finally:
         ss.stop(server)
