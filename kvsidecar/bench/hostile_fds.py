@@ -254,6 +254,8 @@ def run_fdlimit(*, quick: bool = False, probes: int = 4) -> dict[str, Any]:
 # -- idle TLS connections --
 
 
+# A whole request, its answer never read: the connection is the front's, not the gate's.
+_SCRAPE = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
 # Most of a request head (under its 16 KB limit), never finished.
 _HALF_HEAD = b"GET /metrics HTTP/1.1\r\nX-A: " + b"a" * 8000 + b"\r\nX-B: " + b"b" * 7000
 
@@ -333,9 +335,9 @@ def run_tlsidle(
         ctx: ssl.SSLContext | None = None
         opening: Callable[[socket.socket], socket.socket] | None = None
         args: tuple[str, ...] = ()
-        if cert == "none" and mode == "half-head":
-            opening = _send(_HALF_HEAD)
-        elif cert != "none":  # "none": plain HTTP connections
+        if cert == "none":  # plain: a head parked at the gate, or a scrape the front kept
+            opening = _send(_HALF_HEAD if mode == "half-head" else _SCRAPE)
+        else:  # "none": plain HTTP connections
             crt, key = rsa_self_signed(tmp) if cert == "rsa4096" else _self_signed(tmp)
             args = ("--web.config.file", web_config_for(tmp, crt, key))
             ctx = ssl.create_default_context(cafile=crt)

@@ -105,6 +105,11 @@ class LiveConfig:
         finally:
             self._lock.release()
 
+    def peek(self) -> LiveState:
+        """The state in force, without looking at the file (for threads other than the
+        front's: one thread re-reads it, so a half-written file is seen at most once)."""
+        return self._state
+
     def reload(self) -> bool:
         """Re-read the file now, changed or not (SIGHUP); False if it was invalid."""
         if self._stamp is None:

@@ -32,7 +32,9 @@ import asyncio
 import concurrent.futures
 import contextlib
 import logging
+import os
 import resource
+import select
 import socket
 import ssl
 import threading
@@ -42,11 +44,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvsidecar.web.accept import Acceptor
 from kvsidecar.web.basic_auth import AuthGate, BasicAuth
 from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
 from kvsidecar.web.fair import FairGate, Refused
+from kvsidecar.web.gate import FRESH_GRACE_S, Gate
 from kvsidecar.web.listen_address import parse_listen_address
 from kvsidecar.web.live_config import LiveConfig, LiveState
 from kvsidecar.web.log_throttle import Throttled
@@ -62,7 +64,7 @@ from kvsidecar.web.request import (
 from kvsidecar.web.sockets import bind, format_address, open_fds
 from kvsidecar.web.stats import HTTPStats
 from kvsidecar.web.tls_context import peer_san_allowed
-from kvsidecar.web.tls_stream import TLSReader, TLSWriter, client_random, handshake
+from kvsidecar.web.tls_stream import TLSReader, TLSWriter, handshake
 from kvsidecar.web.workers import Workers
 
 log = logging.getLogger("kvsidecar.web")
@@ -92,14 +94,12 @@ CONNECTION_MEMORY = 12 << 20
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials
 FAILED_HOSTS_MEMORY = 4096  # addresses remembered as having sent wrong credentials
-FRESH_GRACE_S = 1.0  # a new connection's time to send its head before it is evictable
 READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck check
 # TLS handshakes run on their own thread (OpenSSL releases the GIL for the RSA work):
 # one, so a handshake flood costs at most one core and the loop keeps the other.
 HANDSHAKE_THREADS = 1
 HANDSHAKES_PER_SOURCE = 8  # waiting or running, per client address; beyond: closed at once
 MAX_HANDSHAKES_WAITING = 256
-HELLO_MEMORY = 4096  # recent ClientHello randoms: a repeat is a replay, closed before crypto
 WRITE_CHUNK = 16384  # an answer is queued this much at a time: bounded unread bytes
 RENDER_WAIT_S = 5.0  # above max_requests a request waits its turn this long, then 503
 
@@ -156,6 +156,17 @@ async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes
             raise BadRequest(431, f"more than {MAX_HEADERS} header fields")
 
 
+def _hung_up(conn: _Conn) -> bool:
+    """The client shut its side (or reset), seen by the kernel even when asyncio has
+    already read its bytes into our buffer: a queued handshake for nobody."""
+    sock = conn.writer.get_extra_info("socket")
+    if sock is None:
+        return _gone(conn)
+    poller = select.poll()
+    poller.register(sock.fileno(), select.POLLRDHUP | select.POLLHUP | select.POLLERR)
+    return bool(poller.poll(0)) or _gone(conn)
+
+
 def _gone(conn: _Conn) -> bool:
     """The client hung up (EOF or an error seen by the transport) or was evicted."""
     reader = conn.reader.raw if isinstance(conn.reader, TLSReader) else conn.reader
@@ -183,7 +194,6 @@ class _Front:
         self.handshakes = FairGate(
             HANDSHAKE_THREADS, MAX_HANDSHAKES_WAITING, per_key=HANDSHAKES_PER_SOURCE
         )
-        self.hellos: OrderedDict[bytes, None] = OrderedDict()
         # Requests above max_requests wait their turn, round-robin per address, instead of
         # 503 at once: 40 keep-alive scrapers cannot hold every slot against a 41st.
         slots = web.max_requests or max(1, max_connections)
@@ -216,7 +226,7 @@ class _Front:
         # connection from one is suspect from its first check, so reconnecting after an
         # eviction does not buy an attacker the protection of a first login.
         self.failed_hosts: OrderedDict[str, None] = OrderedDict()
-        self.acceptors: list[Acceptor] = []
+        self.gate: Gate | None = None
         self.connecting: set[asyncio.Task] = set()  # strong references until set up
         self.unadmitted = 0  # accepted, not yet through _admit
         self.log_bad = Throttled(logging.INFO)
@@ -242,40 +252,14 @@ class _Front:
         self.fresh[conn] = None
         return True
 
-    def _room(self) -> int:
-        """Connections that fit under the cap, counting those accepted and not yet
-        admitted (each holds a descriptor already)."""
-        cap = self.cap()
-        if not cap:
-            return 1 << 30
-        return cap - len(self.open) - self.unadmitted
-
     def cap(self) -> int:
         """The connection cap now (0 = none): the descriptors' (``max_connections``) and
         the memory budget's, which depends on whether TLS is on (a reload can turn it on)."""
-        tls = self.web._live.current().ssl_context is not None
+        tls = self.web._live.peek().ssl_context is not None  # a reload cannot change it
         per = TLS_CONNECTION_BYTES if tls else PLAIN_CONNECTION_BYTES
         by_memory = max(1, self.web.connection_memory // per) if self.web.connection_memory else 0
         caps = [c for c in (self.max_connections, by_memory) if c]
         return min(caps) if caps else 0
-
-    def _make_room(self, host: str) -> bool:
-        """At the open-file limit (below the connection cap: something else holds
-        descriptors): close a connection for a newcomer from ``host``, as at the cap."""
-        victim = self._victim(host) if self.by_host else None
-        if victim is not None:
-            self._drop(victim)
-        return victim is not None
-
-    def _at_fd_limit(self) -> None:
-        self.web.stats.connection_rejected()
-        self.log_limit(
-            "http: the open-file limit is reached with %d connections open (cap %d): "
-            "closing idle ones to accept; raise the limit (LimitNOFILE=, ulimit -n) or "
-            "lower --max-targets",
-            len(self.open),
-            self.cap(),
-        )
 
     def _victim(self, host: str) -> _Conn | None:
         """Who makes room for a newcomer from ``host``. An address holding more than the
@@ -319,6 +303,8 @@ class _Front:
         return None
 
     def _forget(self, conn: _Conn) -> None:
+        if conn in self.open and self.gate is not None:
+            self.gate.wake()  # room for a head waiting at the gate
         self.open.discard(conn)
         self.waiting.pop(conn, None)
         self.fresh.pop(conn, None)
@@ -352,12 +338,16 @@ class _Front:
         # What asyncio.start_server does per connection, minus its accept loop. Until
         # _admit the connection counts in `unadmitted` (it holds a descriptor already).
         self.unadmitted += 1
+        if self.gate is not None:
+            self.gate.arrived()
         pending = [True]
 
         def admitting() -> None:
             if pending:
                 pending.clear()
                 self.unadmitted -= 1
+                if self.gate is not None:
+                    self.gate.wake()
 
         async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             admitting()
@@ -395,7 +385,8 @@ class _Front:
             if state.ssl_context is not None and not await self._handshake(conn, state):
                 return
             while await self._one_request(conn):
-                pass
+                if self._back_to_gate(conn):
+                    return
         except (OSError, TimeoutError, asyncio.IncompleteReadError):
             pass  # reset, broken pipe, a TLS error after the handshake: the client's doing
         except asyncio.CancelledError:
@@ -408,6 +399,30 @@ class _Front:
             if not writer.transport.is_closing():
                 writer.transport.abort()
 
+    def _back_to_gate(self, conn: _Conn) -> bool:
+        """An idle plain keep-alive connection (answered, nothing buffered either way) goes
+        back to the gate to wait for its next head there, at no cost to the front: only
+        connections being served count under the front's cap. Its socket is duplicated
+        and the transport dropped, which closes only our old descriptor."""
+        reader = conn.reader
+        if (
+            self.gate is None
+            or not isinstance(reader, asyncio.StreamReader)
+            or reader._buffer  # pipelined bytes already read: answer them here
+            or conn.writer.transport.get_write_buffer_size()
+            or _gone(conn)
+        ):
+            return False
+        sock = conn.writer.get_extra_info("socket")
+        try:
+            kept = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:
+            return False  # at the open-file limit: it stays here
+        self._forget(conn)
+        conn.writer.transport.abort()
+        self.gate.adopt(kept, conn.host)
+        return True
+
     async def _handshake(self, conn: _Conn, state: LiveState) -> bool:
         assert state.ssl_context is not None and state.cfg is not None
         tls = state.cfg.tls
@@ -418,7 +433,6 @@ class _Front:
                     conn.reader,
                     conn.writer,
                     step=lambda fn: self._handshake_step(conn, fn),
-                    admit=self._fresh_hello,
                 )
             if (
                 tls is not None
@@ -444,23 +458,13 @@ class _Front:
         self.fresh.pop(conn, None)
         try:
             async with self.handshakes.turn(conn.host):
+                if _hung_up(conn):
+                    # Its client left while it waited its turn: no signature for nobody.
+                    raise ConnectionResetError("client closed before its handshake turn")
                 await self.loop.run_in_executor(self.tls_pool, fn)
         finally:
             if conn in self.open:
                 self._set_waiting(conn, True)
-
-    def _fresh_hello(self, record: bytes) -> bool:
-        """False for a ClientHello whose random was seen recently: a canned hello replayed
-        costs the attacker nothing, and would cost an RSA signature each."""
-        random = client_random(record)
-        if not random:
-            return True  # not a hello: OpenSSL answers it with an alert
-        if random in self.hellos:
-            return False
-        self.hellos[random] = None
-        if len(self.hellos) > HELLO_MEMORY:
-            self.hellos.popitem(last=False)
-        return True
 
     async def _one_request(self, conn: _Conn) -> bool:
         """Read and answer one request; True to keep the connection for another."""
@@ -678,10 +682,21 @@ class _Front:
 
     def run(self, sockets: Sequence[socket.socket], started: threading.Event) -> None:
         asyncio.set_event_loop(self.loop)
+        web = self.web
         try:
-            for sock in sockets:
-                front = (self._accepted, self._make_room, self._room, self._at_fd_limit)
-                self.acceptors.append(Acceptor(self.loop, sock, *front))
+            self.gate = Gate(
+                sockets,
+                hand_off=lambda sock: self.loop.call_soon_threadsafe(self._accepted, sock),
+                tls=web._live.peek().ssl_context is not None,  # fixed until a restart
+                headers=self._config_headers,
+                ready=web.ready,
+                observe=web.stats.observe,
+                rejected=web.stats.connection_rejected,
+                room=lambda: web.fd_room - len(self.open) - self.unadmitted,
+                front_room=self._front_room,
+                head_timeout_s=web.request_timeout_s,
+            )
+            self.gate.start()
         finally:
             started.set()
         self.loop.run_forever()
@@ -695,13 +710,25 @@ class _Front:
             self.loop.run_until_complete(asyncio.wait(pending, timeout=2))
         self.loop.close()
 
-    def stop(self) -> None:
-        def _stop() -> None:
-            for acceptor in self.acceptors:
-                acceptor.close()
-            self.loop.stop()
+    def _front_room(self) -> int:
+        """Connections the front can take now: free places, and places of connections
+        it would close for a newcomer (`_victim`: sitting out a wrong password, stalled
+        on a slow reader, waiting for a bcrypt turn), so a flood of those
+        cannot hold the front against a login or a scrape."""
+        cap = self.cap()
+        if not cap:
+            return 1 << 30
+        closable = len(self.failing) + len(self.stalled) + len(self.checking)
+        return cap - len(self.open) - self.unadmitted + closable
 
-        self.loop.call_soon_threadsafe(_stop)
+    def _config_headers(self) -> Mapping[str, str]:
+        state = self.web._live.peek()
+        return state.cfg.http.headers if state.cfg is not None else {}
+
+    def stop(self) -> None:
+        if self.gate is not None:
+            self.gate.stop()  # no new connections, parked ones closed
+        self.loop.call_soon_threadsafe(self.loop.stop)
         for pool in (self.render_pool, self.probe_pool):
             pool.close()
         self.auth_gate.close()
@@ -768,6 +795,7 @@ class WebServer:
         for note in web_config.notes if web_config is not None else ():
             log.warning("web config: %s", note)
         self._sockets: list[socket.socket] = []
+        self.fd_room = 1 << 30  # set at start from the open-file limit
         self._front: _Front | None = None
         self._thread: threading.Thread | None = None
 
@@ -821,8 +849,14 @@ class WebServer:
         cap = self.max_connections
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         if soft == resource.RLIM_INFINITY:
+            self.fd_room = 1 << 30
             return cap
         fd_room = max(16, soft - open_fds() - self.reserved_fds - FD_RESERVE)
+        # What every connection may hold, parked at the gate or served by the front; a
+        # quarter (up to 1,024) is the gate's alone, so served connections at the front's
+        # cap never leave the gate (and its probes) without descriptors.
+        self.fd_room = fd_room
+        fd_room -= min(fd_room // 4, 1024)
         if cap == 0 or cap > fd_room:
             if cap:
                 log.warning(

@@ -467,33 +467,41 @@ def _closed_by_server(sock: socket.socket) -> bool:
         return True
 
 
-def test_connection_cap_makes_room_by_closing_the_longest_waiting(
+def test_idle_and_probes_never_take_a_place_under_the_connection_cap(
     serve: Callable[..., WebServer], handlers: FakeHandlers
 ) -> None:
+    """`max_connections` caps connections being served. An idle keep-alive connection
+    waits at the gate, not under the cap, and probes are answered at the gate: with the
+    one place taken by a render, /-/healthy is answered at once and a second scrape waits
+    at the gate for the place (it was closed, or closed another, before the gate)."""
     server = serve(max_connections=1)
     with socket.create_connection(("127.0.0.1", port_of(server)), timeout=5) as idle:
-        idle.sendall(b"GET /-/healthy HTTP/1.1\r\nHost: x\r\n\r\n")
+        idle.sendall(b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n")
         answer = b""
-        while not answer.endswith(b"OK"):
-            answer += idle.recv(1024)
-        assert answer.startswith(b"HTTP/1.1 200 ")  # kept alive, holds the slot
-        assert request(server, "/metrics")[0] == 200, "the idle connection made room"
-        assert _closed_by_server(idle)
-        assert server.stats.snapshot().rejected_connections == 1
-    # A connection being answered is never closed to make room: the newcomer is refused.
+        while METRICS not in answer:
+            answer += idle.recv(65536)
+        assert answer.startswith(b"HTTP/1.1 200 ")  # kept alive
+        assert request(server, "/metrics")[0] == 200, "the idle connection holds no place"
+        _assert_still_open(idle)
+        assert server.stats.snapshot().rejected_connections == 0
     handlers.gate = threading.Event()
     handlers.entered = threading.Semaphore(0)  # forget the /metrics above
-    busy = threading.Thread(target=request, args=(server, "/metrics"))
-    busy.start()
+    results: list[int] = []
+    busy = [threading.Thread(target=lambda: results.append(request(server, "/metrics")[0]))
+            for _ in range(2)]  # fmt: skip
+    busy[0].start()
     try:
-        assert handlers.entered.acquire(timeout=5)
-        with pytest.raises((ConnectionError, http.client.HTTPException)):
-            request(server, "/-/healthy")
-        assert server.stats.snapshot().rejected_connections == 2
+        assert handlers.entered.acquire(timeout=5)  # the one place is taken
+        busy[1].start()
+        assert request(server, "/-/healthy")[::2] == (200, b"OK")
+        assert request(server, "/-/ready")[0] == 200
+        assert not handlers.entered.acquire(timeout=0.5), "the second scrape waits its turn"
     finally:
         handlers.gate.set()
-        busy.join(5)
-    assert wait_until(lambda: request(server, "/metrics")[0] == 200), "the slot was released"
+    for t in busy:
+        t.join(10)
+    assert results == [200, 200]
+    assert server.stats.snapshot().rejected_connections == 0
 
 
 def wait_until(predicate: Callable[[], bool], timeout: float = 5.0) -> bool:
