@@ -463,6 +463,46 @@ def frontmix_cmd(quick: bool, out: str, slow_readers: int) -> None:
     report.write_json(out, "frontmix", r)
 
 
+@bench.command(name="frontshapes")
+@quick_option
+@out_option
+@click.option(
+    "--only", multiple=True, help="Run only these shapes (busy, slowreaders, tlshellos, "
+    "trickle, authflood); repeatable.",
+)  # fmt: skip
+def frontshapes_cmd(quick: bool, out: str, only: tuple[str, ...]) -> None:
+    """Probes and logins under the attack shapes of issue 31 (one daemon per shape)."""
+    from kvsidecar.bench import front_shapes as fs
+
+    unknown = set(only) - set(fs.SHAPES)
+    if unknown:
+        choices = ", ".join(fs.SHAPES)
+        raise click.BadParameter(
+            f"unknown shape(s) {', '.join(sorted(unknown))}; choose from {choices}",
+            param_hint="--only",
+        )
+    r = fs.run_frontshapes(quick=quick, only=only)
+    rows = []
+    for name, s in r["shapes"].items():
+        if "logins" in s:
+            answered, p50, p99 = f"{s['ok']}/{s['logins']} logins", s["median_ms"], s["max_ms"]
+            met = s["ok"] == s["logins"] and s["max_ms"] <= r["goals"]["login_ms"]
+        else:
+            answered, p50, p99 = f"{s['ok']}/{s['requests']}", s["p50_ms"], s["p99_ms"]
+            met = s["answered"] >= r["goals"]["answered"]
+            if name == "trickle":
+                met = met and s["p99_ms"] < r["goals"]["healthy_p99_ms"]
+        rows.append([name, answered, p50, p99, f"{s['daemon_cpu_pct']:.0f}",
+                     f"{s['daemon_rss_mb']:.0f}", "yes" if met else "NO"])  # fmt: skip
+    report.print_table(
+        f"frontshapes ({r['seconds']:.0f} s each; daemon from {r['daemon_from']}; probes "
+        f"time out at 1 s; logins: median and max ms)",
+        ["shape", "answered", "p50 ms", "p99 ms", "CPU %", "RSS MB", "goal met"],
+        rows,
+    )
+    report.write_json(out, "frontshapes", r)
+
+
 @bench.command(name="scrapeflood")
 @quick_option
 @out_option

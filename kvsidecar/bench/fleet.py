@@ -143,7 +143,10 @@ _RUN_FROM = (
 
 
 def daemon_command(checkout: str | None = None) -> list[str]:
-    """argv that runs ``kvsidecar``'s CLI from this install, or from ``checkout``'s tree."""
+    """argv that runs ``kvsidecar``'s CLI from this install, or from ``checkout``'s tree
+    (by default $KVSIDECAR_BENCH_CHECKOUT: every bench's daemon from an older tree, for
+    the side-by-side tables of docs/reliability.md)."""
+    checkout = checkout or os.environ.get("KVSIDECAR_BENCH_CHECKOUT") or None
     if checkout is None:
         return [sys.executable, "-m", "kvsidecar"]
     if not os.path.isfile(os.path.join(checkout, "kvsidecar", "__main__.py")):

@@ -147,14 +147,16 @@ class SlowReaders(Attack):
     """``n`` connections that send requests for ``/metrics`` and never read; reopened
     when closed. Over TLS the handshake is done first (then never read either)."""
 
-    def __init__(self, port: int, n: int, ctx: ssl.SSLContext | None = None) -> None:
+    def __init__(
+        self, port: int, n: int, ctx: ssl.SSLContext | None = None, source: str = ATTACK_ADDRESS
+    ) -> None:
         super().__init__()
-        self.port, self.n, self.ctx = port, n, ctx
+        self.port, self.n, self.ctx, self.source = port, n, ctx, source
         self.open = 0
 
     def _open(self) -> socket.socket | None:
         try:
-            raw = socket.create_connection(("127.0.0.1", self.port), 5, (ATTACK_ADDRESS, 0))
+            raw = socket.create_connection(("127.0.0.1", self.port), 5, (self.source, 0))
             sock = self.ctx.wrap_socket(raw, server_hostname="localhost") if self.ctx else raw
             sock.sendall(_UNREAD)
         except (OSError, ssl.SSLError):

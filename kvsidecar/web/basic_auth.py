@@ -39,7 +39,7 @@ from collections.abc import Callable, Mapping
 
 import bcrypt
 
-from kvsidecar.web.fair import FairGate, Refused
+from kvsidecar.web.fair import CLEAN, FairGate, Refused
 
 __all__ = ["AUTH_WAIT_S", "BCRYPT_WORKERS", "PER_ADDRESS", "AuthGate", "BasicAuth", "hash_cost"]
 
@@ -173,8 +173,12 @@ class AuthGate:
 
     Checks from connections that already sent wrong credentials ("suspect") wait until
     no other check is waiting, so a flood over keep-alive connections cannot delay a
-    scraper's first login by more than the check in progress; within each class every
-    client key (address) takes its turn in a round. A check whose client has hung up by
+    scraper's first login by more than the check in progress. ``rank`` orders the others
+    (`fair.FairGate`): the front gives 0 to addresses that logged in lately, then
+    `NEWEST_FIRST` to addresses never checked (the newest first, so a flood from many
+    addresses that all began earlier delays a new login by one check, not one per
+    address), then the rest; within each class every client key (address) takes its turn
+    in a round. A check whose client has hung up by
     the time its turn comes is skipped: nobody would read its answer. A check that got
     no turn within ``wait_s`` is refused, and so is one beyond ``per_key`` checks of
     its key and class; before refusing the latter (after `CROWDED_WAIT_S`),
@@ -204,6 +208,7 @@ class AuthGate:
         fn: Callable[[], bool],
         suspect: bool = False,
         gone: Callable[[], bool] = lambda: False,
+        rank: int = CLEAN,
     ) -> bool | None:
         """fn's result; None when too many checks are already waiting (in all, or of
         this key and class) or no turn came within ``wait_s``; False without running fn
@@ -227,7 +232,7 @@ class AuthGate:
         assert me is not None
         held[me] = gone
         try:
-            async with self._gate.turn(key, suspect, self.wait_s):
+            async with self._gate.turn(key, suspect, self.wait_s, rank=rank):
                 if gone():
                     return False
                 held[me] = None  # running: the thread cannot be stopped, it stays counted

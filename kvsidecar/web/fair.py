@@ -17,9 +17,12 @@ import collections
 import contextlib
 from collections.abc import AsyncIterator
 
-__all__ = ["FairGate", "Refused"]
+__all__ = ["CLEAN", "NEWEST_FIRST", "RANKS", "FairGate", "Refused"]
 
 _Round = collections.OrderedDict[str, collections.deque]
+RANKS = 4
+NEWEST_FIRST = 1
+CLEAN = 2  # the default rank
 
 
 class Refused(Exception):
@@ -34,8 +37,8 @@ class FairGate:
         self.busy = 0
         self.pending = 0
         self._per_key: collections.Counter[str] = collections.Counter()  # waiting + busy
-        # [clean, suspect]: key -> FIFO of turns; the dict order is the round.
-        self._rounds: tuple[_Round, _Round] = (collections.OrderedDict(), collections.OrderedDict())
+        # Per rank: key -> FIFO of turns; the dict order is the round.
+        self._rounds: tuple[_Round, ...] = tuple(collections.OrderedDict() for _ in range(RANKS))
 
     def held(self, key: str) -> int:
         """Turns waiting or held by ``key``."""
@@ -43,7 +46,7 @@ class FairGate:
 
     @contextlib.asynccontextmanager
     async def turn(
-        self, key: str, suspect: bool = False, wait_s: float | None = None
+        self, key: str, suspect: bool = False, wait_s: float | None = None, rank: int = CLEAN
     ) -> AsyncIterator[None]:
         """Hold one slot for the body; raises `Refused` when full (without waiting) or
         when no slot came within ``wait_s``."""
@@ -54,7 +57,7 @@ class FairGate:
         try:
             try:
                 async with asyncio.timeout(wait_s):
-                    await self._acquire(key, suspect)
+                    await self._acquire(key, RANKS - 1 if suspect else rank)
             except TimeoutError:
                 raise Refused(key) from None
             try:
@@ -66,13 +69,15 @@ class FairGate:
             if not self._per_key[key]:
                 del self._per_key[key]
 
-    async def _acquire(self, key: str, suspect: bool) -> None:
+    async def _acquire(self, key: str, rank: int) -> None:
         if self.busy < self.slots and not self.pending:
             self.busy += 1  # free and nobody waits: no future, no round
             return
         turn: asyncio.Future[None] = asyncio.get_running_loop().create_future()
-        table = self._rounds[suspect]
+        table = self._rounds[rank]
         table.setdefault(key, collections.deque()).append(turn)
+        if rank == NEWEST_FIRST:
+            table.move_to_end(key, last=False)
         self.pending += 1
         self._dispatch()
         try:
@@ -94,7 +99,7 @@ class FairGate:
         self._dispatch()
 
     def _dispatch(self) -> None:
-        while self.busy < self.slots and (table := self._rounds[0] or self._rounds[1]):
+        while self.busy < self.slots and (table := next(filter(None, self._rounds), None)):
             key, queue = next(iter(table.items()))
             turn = queue.popleft()
             del table[key]

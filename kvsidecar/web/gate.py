@@ -174,6 +174,8 @@ class Gate:
         # goes to the end with a new deadline) and by last progress (the victim order).
         self.by_deadline: OrderedDict[socket.socket, _Parked] = OrderedDict()
         self.by_progress: OrderedDict[socket.socket, None] = OrderedDict()
+        # Parked connections per client address, oldest first: the fallback victim order.
+        self.by_host: dict[str, OrderedDict[socket.socket, None]] = {}
         self.awaiting_ready: list[tuple[_Parked, bool, bool, float]] = []
         self.hellos: OrderedDict[bytes, None] = OrderedDict()
         self.adopted: collections.deque[tuple[socket.socket, str]] = collections.deque()
@@ -281,18 +283,19 @@ class Gate:
         except OSError:
             sock = None
         if sock is not None:
-            victim = self._victim(time.monotonic())
+            host = str(address[0]) if isinstance(address, tuple) else ""
+            victim = self._victim(time.monotonic(), host)
             if victim is None:
                 sock.close()
             else:
                 self._evict(victim)
-                self._admit(sock, str(address[0]) if isinstance(address, tuple) else "")
+                self._admit(sock, host)
         self.spare = _take_spare()
 
     def _admit(self, sock: socket.socket, host: str) -> None:
         now = time.monotonic()
         if self.parked >= min(self.max_parked, max(16, self.room())):
-            victim = self._victim(now)
+            victim = self._victim(now, host)
             if victim is None:
                 self.rejected()
                 sock.close()  # everyone parked is new: the newcomer is refused
@@ -306,11 +309,16 @@ class Gate:
     def _park(self, parked: _Parked) -> None:
         self.by_deadline[parked.sock] = parked
         self.by_progress[parked.sock] = None
+        self.by_host.setdefault(parked.host, OrderedDict())[parked.sock] = None
         self.sel.register(parked.sock, selectors.EVENT_READ, self._readable)
 
     def _unpark(self, parked: _Parked) -> None:
         if self.by_deadline.pop(parked.sock, None) is not None:
             del self.by_progress[parked.sock]
+            mine = self.by_host[parked.host]
+            del mine[parked.sock]
+            if not mine:
+                del self.by_host[parked.host]
             self.sel.unregister(parked.sock)
 
     def _close(self, parked: _Parked) -> None:
@@ -319,15 +327,22 @@ class Gate:
             _peek(parked.sock, 0)  # unread bytes would turn our FIN into a RST
         parked.sock.close()
 
-    def _victim(self, now: float) -> _Parked | None:
-        """The parked connection silent for longest, if it had its grace to speak; else
-        the oldest complete head of the address with the most waiting for the front
-        (nothing was done for it yet, and a probe, answered here, is never one)."""
+    def _victim(self, now: float, host: str) -> _Parked | None:
+        """Who makes room for a newcomer from ``host``: the parked connection silent for
+        longest, if it had its grace to speak; else (an attacker reconnecting so fast
+        that everyone parked is young) the oldest of the address parking the most, if
+        it parks more than the newcomer's would; else the oldest complete head of the
+        address with the most waiting for the front (nothing was done for it yet, and a
+        probe, answered here, is never one)."""
         for sock in self.by_progress:
             parked = self.by_deadline[sock]
             if now - parked.born >= FRESH_GRACE_S:
                 return parked
             break  # the least recently progressed is also young: so is everyone
+        if self.by_host:
+            heaviest = max(self.by_host.values(), key=len)
+            if len(heaviest) > len(self.by_host.get(host, ())) + 1:
+                return self.by_deadline[next(iter(heaviest))]
         if self.queued:
             heaviest = max(self.queued.values(), key=len)
             return heaviest[0]

@@ -5,25 +5,29 @@ Besides the routes, it answers ``/-/healthy`` itself and ``/-/ready`` from a rea
 callback; the web config (`config_file`) adds TLS, basic auth (never on those two: probes
 carry no credentials), extra headers and a rate limit.
 
-Robustness: one event loop thread accepts and reads every request head under one
-deadline per head (not per read), so a client trickling bytes costs a socket, never a
-thread; complete requests go to a small pool of worker threads (`workers`), TLS
+Robustness: a gate (`gate`, a selector thread of its own) accepts every connection and
+parks it, at under 1 KB each and with its bytes left in the kernel, until a whole request
+head (or TLS ClientHello) has arrived; it answers plain ``/-/healthy`` and ``/-/ready``
+itself, and hands every other complete head to this front when it has room. So a
+client trickling bytes or sitting idle between requests costs a parked socket, never a
+place here, and no connection held here can keep a probe from being answered. The front
+is one event loop thread: request heads are read under one deadline per head (not per
+read); complete requests go to a small pool of worker threads (`workers`), TLS
 handshakes to a thread of their own (OpenSSL computes without the GIL), so the loop
-itself only moves bytes. ``/-/healthy`` is answered on the loop and ``/-/ready`` has
-threads of its own, so probes answer while renders or handshakes are slow. The work one
-connection can queue is bounded: the loop yields after every pipelined request, an
-answer is queued 64 KB at a time, and a connection waiting for its client (to send a
-request head, or to read an answer) is the first closed at the connection cap.
-Handshakes take turns per client address (at most `HANDSHAKES_PER_SOURCE` each, a
-replayed ClientHello closed before any crypto), and so do requests above
+itself only moves bytes. The work one connection can queue is bounded: the loop yields
+after every pipelined request, an answer is queued 64 KB at a time, and an idle plain
+keep-alive connection goes back to the gate. Handshakes take turns per client address
+(at most `HANDSHAKES_PER_SOURCE` each; a replayed ClientHello is closed at the gate, a
+handshake whose client hung up while queued is skipped), and so do requests above
 ``max_requests`` (`fair`): 40 keep-alive scrapers cannot lock out a 41st. Malformed
 requests get 400/414/431/505 and one throttled log line (`request`); bcrypt checks are
 bounded and fair, and skipped for clients that left (`basic_auth`).
 
 Budgets: the connection cap fits a memory budget (`CONNECTION_MEMORY`, each connection
 counted at what it can keep) and leaves the open-file limit room for the daemon's
-segments (``reserved_fds``); at the limit anyway, `accept` spends a spare descriptor
-to close an idle connection rather than stall.
+segments (``reserved_fds``), a quarter of the rest kept for the gate; at the limit
+anyway, the gate spends a spare descriptor to close a parked connection rather than
+stall.
 """
 
 from __future__ import annotations
@@ -47,8 +51,8 @@ from typing import Any
 from kvsidecar.web.basic_auth import AuthGate, BasicAuth
 from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
-from kvsidecar.web.fair import FairGate, Refused
-from kvsidecar.web.gate import FRESH_GRACE_S, Gate
+from kvsidecar.web.fair import CLEAN, NEWEST_FIRST, FairGate, Refused
+from kvsidecar.web.gate import FRESH_GRACE_S, PARKED_MEMORY, Gate
 from kvsidecar.web.listen_address import parse_listen_address
 from kvsidecar.web.live_config import LiveConfig, LiveState
 from kvsidecar.web.log_throttle import Throttled
@@ -156,6 +160,14 @@ async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes
             raise BadRequest(431, f"more than {MAX_HEADERS} header fields")
 
 
+def _remember(recent: OrderedDict[str, None], host: str) -> None:
+    """Note ``host`` as the most recent in a bounded memory of addresses."""
+    recent[host] = None
+    recent.move_to_end(host)
+    if len(recent) > FAILED_HOSTS_MEMORY:
+        recent.popitem(last=False)
+
+
 def _hung_up(conn: _Conn) -> bool:
     """The client shut its side (or reset), seen by the kernel even when asyncio has
     already read its bytes into our buffer: a queued handshake for nobody."""
@@ -226,6 +238,10 @@ class _Front:
         # connection from one is suspect from its first check, so reconnecting after an
         # eviction does not buy an attacker the protection of a first login.
         self.failed_hosts: OrderedDict[str, None] = OrderedDict()
+        # Addresses that had a bcrypt check lately, and those that logged in lately
+        # (bounded, oldest forgotten): the auth gate's ranks (`basic_auth.AuthGate`).
+        self.checked_hosts: OrderedDict[str, None] = OrderedDict()
+        self.good_hosts: OrderedDict[str, None] = OrderedDict()
         self.gate: Gate | None = None
         self.connecting: set[asyncio.Task] = set()  # strong references until set up
         self.unadmitted = 0  # accepted, not yet through _admit
@@ -599,29 +615,39 @@ class _Front:
             return False
         cached = state.auth.lookup(*creds)
         if cached is not None:
-            self._note_failure(conn, not cached)
+            self._note_outcome(conn, cached)
             return cached
         auth = state.auth
         suspect = conn.failed or conn.host in self.failed_hosts
         tier = self.failing if suspect else self.checking
         tier[conn] = None  # queued for bcrypt: closable at the cap (see self.failing)
+        if conn.host in self.good_hosts:
+            rank = 0
+        elif conn.host not in self.checked_hosts:
+            rank = NEWEST_FIRST
+        else:
+            rank = CLEAN
+        _remember(self.checked_hosts, conn.host)
         try:
             ok = await self.auth_gate.run(
-                conn.host, lambda: auth.verify(*creds), suspect, gone=lambda: _gone(conn)
+                conn.host,
+                lambda: auth.verify(*creds),
+                suspect,
+                gone=lambda: _gone(conn),
+                rank=rank,
             )
         finally:
             tier.pop(conn, None)
-        self._note_failure(conn, ok is False)
+        if ok is not None:
+            self._note_outcome(conn, ok)
         return ok
 
-    def _note_failure(self, conn: _Conn, failed: bool) -> None:
-        if not failed:
+    def _note_outcome(self, conn: _Conn, ok: bool) -> None:
+        if ok:
+            _remember(self.good_hosts, conn.host)
             return
         conn.failed = True
-        self.failed_hosts[conn.host] = None
-        self.failed_hosts.move_to_end(conn.host)
-        if len(self.failed_hosts) > FAILED_HOSTS_MEMORY:
-            self.failed_hosts.popitem(last=False)
+        _remember(self.failed_hosts, conn.host)
 
     async def _write(
         self,
@@ -695,6 +721,7 @@ class _Front:
                 room=lambda: web.fd_room - len(self.open) - self.unadmitted,
                 front_room=self._front_room,
                 head_timeout_s=web.request_timeout_s,
+                parked_memory=web.parked_memory,
             )
             self.gate.start()
         finally:
@@ -741,12 +768,15 @@ class WebServer:
     ``max_requests`` caps requests admitted at once; above it a request waits its turn,
     round-robin per client address, up to `RENDER_WAIT_S`, then 503 (0 = no cap; the
     probe endpoints are exempt); `RENDER_THREADS` of them render at a time, the others wait
-    their turn. ``max_connections`` caps open connections;
-    at the cap the connection that has waited longest for its request is closed to make
-    room, so clients that never finish a request cannot lock out those that do.
+    their turn. ``max_connections`` caps connections being served; the
+    others (no whole head yet, idle between requests) are parked at the gate, under its
+    own budget (`kvsidecar.web.gate.PARKED_MEMORY` and the descriptors), and at its cap
+    the one silent longest is closed, so clients that never finish a request cannot lock
+    out those that do.
     ``connection_memory`` bounds what open connections may cost together (0 = no bound):
     it caps them at ``connection_memory // TLS_CONNECTION_BYTES`` with TLS on, and
-    `PLAIN_CONNECTION_BYTES` each without.
+    `PLAIN_CONNECTION_BYTES` each without. ``parked_memory`` bounds the gate's parked
+    connections (`kvsidecar.web.gate.PARKED_BYTES` each).
     ``request_timeout_s`` bounds a TLS handshake, a whole request head (and the idle time
     before it) and the writing of an answer. ``reserved_fds`` are descriptors the rest of
     the process may open later (the daemon's segments): the cap leaves room for them,
@@ -768,6 +798,7 @@ class WebServer:
         config_check_interval_s: float = 1.0,
         reserved_fds: int = 0,
         connection_memory: int = CONNECTION_MEMORY,
+        parked_memory: int = PARKED_MEMORY,
     ) -> None:
         if not listen_addresses:
             raise ValueError("at least one listen address is required")
@@ -789,6 +820,7 @@ class WebServer:
         self.request_timeout_s = request_timeout_s
         self.reserved_fds = reserved_fds
         self.connection_memory = connection_memory
+        self.parked_memory = parked_memory
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
         self._live = LiveConfig(web_config, config_check_interval_s)

@@ -55,9 +55,9 @@ def _get(port: int, auth: str, source: str = "127.0.0.1", timeout: float = 30.0)
         return s.recv(64)
 
 
-def _login_time(port: int, i: int) -> float:
+def _login_time(port: int, i: int, source: str = "127.0.0.1") -> float:
     t0 = time.monotonic()
-    assert _get(port, f"u{i}:pw{i}").startswith(b"HTTP/1.1 200")
+    assert _get(port, f"u{i}:pw{i}", source).startswith(b"HTTP/1.1 200")
     return time.monotonic() - t0
 
 
@@ -65,9 +65,9 @@ def _flood(port: int, k: int, stop: threading.Event, sent: list[int]) -> None:
     n = 0
     while not stop.is_set():
         n += 1
+        sent[k] += 1  # sent: its answer may wait behind the logins now
         try:
             _get(port, f"u0:wrong-{k}-{n}", source=f"127.0.2.{k + 1}")
-            sent[k] += 1
         except OSError:
             time.sleep(0.02)
 
@@ -87,3 +87,20 @@ def test_login_not_queued_behind_reconnecting_wrong_passwords(server: WebServer)
     assert statistics.median(took) < 16 * baseline, (
         f"logins took {[round(t, 2) for t in took]} s under the flood, {baseline:.2f} s without"
     )
+
+
+def test_login_from_a_new_address_not_queued_behind_first_checks(server: WebServer) -> None:
+    """The flood's addresses all begin at once, each with a first check that is not yet
+    suspect; a login from an address never checked before goes ahead of them (the newest
+    address first), instead of waiting a round of 64 checks."""
+    port = port_of(server)
+    baseline = statistics.median(
+        _login_time(port, i, source="127.0.3.1") for i in (5, 6, 7)
+    )  # one check each, from an address the login below does not use
+    sent = [0] * ADDRESSES
+    with attackers(lambda k, stop: _flood(port, k, stop, sent), ADDRESSES):
+        time.sleep(1.0)  # every address has its first check queued
+        took = _login_time(port, 1)  # from 127.0.0.1, never checked
+        assert sum(1 for c in sent if c) >= ADDRESSES // 2, "the flood did not run"
+    print(f"login {took:.2f} s, baseline {baseline:.2f} s")  # for -rP
+    assert took < 16 * baseline, f"login: {took:.2f} s under the flood, {baseline:.2f} s without"
