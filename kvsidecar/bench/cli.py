@@ -468,7 +468,7 @@ def frontmix_cmd(quick: bool, out: str, slow_readers: int) -> None:
 @out_option
 @click.option(
     "--only", multiple=True, help="Run only these shapes (busy, slowreaders, tlshellos, "
-    "trickle, authflood); repeatable.",
+    "tlshellos-p256, trickle, authflood); repeatable.",
 )  # fmt: skip
 def frontshapes_cmd(quick: bool, out: str, only: tuple[str, ...]) -> None:
     """Probes and logins under the attack shapes of issue 31 (one daemon per shape)."""

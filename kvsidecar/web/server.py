@@ -84,16 +84,18 @@ _PLAIN = "text/plain; charset=utf-8"
 # ``reserved_fds`` (a segment each target may hold): log files, directory scans, a
 # segment being attached, the loop's own, the spare descriptor of `accept`.
 FD_RESERVE = 64
-# What one open connection can keep allocated, an upper bound of `kvsidecar bench
-# tlsidle` (RSS growth per connection kept, 1,000 connections opened, those closed at
-# the cap and replaced included): plain 29 KB with a request head nearly at its 16 KB
-# limit, 6.6 KB idle; TLS (RSA-4096) 55 KB with such a head, 40 KB idle after a scrape,
-# 33 KB idle after the handshake, 27 KB mid-handshake.
-PLAIN_CONNECTION_BYTES = 32 << 10
+# What one connection the front serves can keep allocated, an upper bound of `kvsidecar
+# bench tlsidle` and `bench frontshapes --only slowreaders` (RSS growth per connection
+# kept): plain, a client pipelining requests and never reading, ~48 KB (its requests
+# buffered up to twice the 16 KB head limit before reading pauses, an answer chunk of
+# 16 KB); TLS (RSA-4096) 55 KB with a head at its limit, 40 KB idle after a scrape, 33 KB
+# after the handshake. Connections without a whole head, or idle between requests, are
+# the gate's (`kvsidecar.web.gate.PARKED_BYTES`, under 1 KB each).
+PLAIN_CONNECTION_BYTES = 48 << 10
 TLS_CONNECTION_BYTES = 64 << 10
-# What open connections may cost together: with the daemon's own worst case under its
+# What served connections may cost together: with the daemon's own worst case under its
 # default budgets (~45 MB RSS with maximal targets, docs/reliability.md) the Kubernetes
-# sidecar's 64Mi limit keeps > 10 MB of headroom. Caps 384 plain, 192 TLS connections.
+# sidecar's 64Mi limit keeps > 10 MB of headroom. Caps 256 plain, 192 TLS connections.
 CONNECTION_MEMORY = 12 << 20
 RENDER_THREADS = 8
 FAILED_AUTH_DELAY_S = 0.2  # tarpit for wrong credentials

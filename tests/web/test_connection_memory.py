@@ -37,10 +37,10 @@ def test_half_sent_plain_heads_are_parked_at_a_bounded_cost() -> None:
     gate, whose unread bytes stay in the kernel, so each costs the daemon under
     PARKED_BYTES (measured 0.7-0.9 KB) and at most PARKED_MEMORY / PARKED_BYTES are kept.
     Before the gate: each cost ~22-30 KB in the front's buffers, and the front's cap
-    closed (and the attacker reopened) all but 384. ~10 s."""
+    closed (and the attacker reopened) all but its cap (384 then). ~10 s."""
     (row,) = run_tlsidle(cert="none", mode="half-head", counts=(5000,))["rows"]
     max_parked = PARKED_MEMORY // PARKED_BYTES
-    # More than the front ever kept (384), never more than the gate's budget.
+    # More than the front ever kept (384 by memory), never more than the gate's budget.
     assert 1000 <= row["kept_open"] <= max_parked + SLACK, row
     grown = (row["rss_mb"] - row["baseline_rss_mb"]) * 2**20
     assert grown / row["kept_open"] <= 1.5 * PARKED_BYTES, row
