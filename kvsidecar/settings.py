@@ -390,6 +390,14 @@ LOG_FORMAT = _s(
 VLLM_PYTHON = _s(
     "VLLM_PYTHON", "path", None, "`kvsidecar bench vllm`: the Python of the vLLM environment", BENCH
 )
+BENCH_CHECKOUT = _s(
+    "BENCH_CHECKOUT",
+    "path",
+    None,
+    "every bench's daemon from this source tree (an older commit's worktree, its extension "
+    "built in place), for side-by-side tables",
+    BENCH,
+)
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in ALL}
 

@@ -22,6 +22,7 @@ import urllib.request
 from collections.abc import Iterator
 from typing import Any
 
+from kvsidecar import settings
 from kvsidecar.bench.publish import realistic_snapshot
 from kvsidecar.protocol.writer import SegmentWriter
 
@@ -146,7 +147,7 @@ def daemon_command(checkout: str | None = None) -> list[str]:
     """argv that runs ``kvsidecar``'s CLI from this install, or from ``checkout``'s tree
     (by default $KVSIDECAR_BENCH_CHECKOUT: every bench's daemon from an older tree, for
     the side-by-side tables of docs/reliability.md)."""
-    checkout = checkout or os.environ.get("KVSIDECAR_BENCH_CHECKOUT") or None
+    checkout = checkout or os.environ.get(settings.BENCH_CHECKOUT.name) or None
     if checkout is None:
         return [sys.executable, "-m", "kvsidecar"]
     if not os.path.isfile(os.path.join(checkout, "kvsidecar", "__main__.py")):

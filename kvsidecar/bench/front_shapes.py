@@ -36,6 +36,7 @@ from typing import Any
 
 import bcrypt
 
+from kvsidecar import settings
 from kvsidecar.bench.fleet import proc_stat
 from kvsidecar.bench.hostile_clients import (
     Tricklers,
@@ -259,7 +260,7 @@ def run_frontshapes(*, quick: bool = False, only: tuple[str, ...] = ()) -> dict[
     _raise_nofile(4096)
     return {
         "seconds": seconds,
-        "daemon_from": os.environ.get("KVSIDECAR_BENCH_CHECKOUT") or "this install",
+        "daemon_from": os.environ.get(settings.BENCH_CHECKOUT.name) or "this install",
         "shapes": {name: run(seconds) for name, run in SHAPES.items() if not only or name in only},
         "goals": {"answered": GOAL_ANSWERED, "login_ms": GOAL_LOGIN_MS, "healthy_p99_ms": 100.0},
     }

@@ -742,12 +742,14 @@ class _Front:
     def _front_room(self) -> int:
         """Connections the front can take now: free places, and places of connections
         it would close for a newcomer (`_victim`: sitting out a wrong password, stalled
-        on a slow reader, waiting for a bcrypt turn), so a flood of those
+        on a slow reader, waiting for a bcrypt turn or for its client), so a flood of those
         cannot hold the front against a login or a scrape."""
         cap = self.cap()
         if not cap:
             return 1 << 30
-        closable = len(self.failing) + len(self.stalled) + len(self.checking)
+        # TLS connections stay here between requests and between handshake flights
+        # (plain ones go back to the gate): waiting for their client, closable too.
+        closable = len(self.failing) + len(self.stalled) + len(self.checking) + len(self.waiting)
         return cap - len(self.open) - self.unadmitted + closable
 
     def _config_headers(self) -> Mapping[str, str]:
