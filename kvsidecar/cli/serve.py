@@ -445,10 +445,13 @@ def serve(
     targets.poll_all()
     targets.start()
     # The OTLP push, off the serving path on its own threads (kvsidecar/otlp/push.py).
+    from kvsidecar.daemon.collector import rank_instances
     from kvsidecar.otlp.options import OtlpConfigError, start_push
 
     try:
-        start_push(otlp, daemon.collector.collect)
+        daemon.otlp_pusher = start_push(
+            otlp, daemon.collector.collect, lambda: rank_instances(targets.views())
+        )
     except OtlpConfigError as e:
         click.echo(f"kvsidecar: {e}", err=True)
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
@@ -476,6 +479,8 @@ def serve(
     if gateway is not None:
         gateway.shutdown()
     server.shutdown()
+    if daemon.otlp_pusher is not None:
+        daemon.otlp_pusher.stop()
     targets.stop()
 
 
