@@ -84,8 +84,9 @@ def to_metrics_data(
     )
     per_res: dict[Key, dict[str, tuple]] = {}  # resource -> otel name -> (def, points)
     for fam in families:
-        prom = fam.name + "_total" if fam.type == "counter" else fam.name
-        d = _BY_PROM.get(prom) or _BY_PROM.get(fam.name)
+        # prometheus_client drops the suffix of a counter's and an info's family name.
+        suffix = {"counter": "_total", "info": "_info"}.get(fam.type, "")
+        d = _BY_PROM.get(fam.name + suffix) or _BY_PROM.get(fam.name)
         if d is None:
             continue  # process_*/python_* self-metrics: not in metric_defs, not pushed
         if fam.type == "histogram":

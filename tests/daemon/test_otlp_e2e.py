@@ -10,50 +10,13 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
 
-from kvsidecar.otlp.names import mapping
+from tests.otlp_points import rank_points
 from tests.otlp_receiver import start_receiver
 from tests.procs import start_daemon, start_rank
 
 from .scrape import fetch, samples
 
 WAIT_S = 120.0  # generous: a shared host; never a bound on speed
-TO_PROM = {m.name: m for m in mapping()}
-RES = {
-    "kvsidecar.segment": "segment",
-    "kvsidecar.engine": "engine",
-    "kvsidecar.model": "model_name",
-    "kvsidecar.role": "role",
-    "kvsidecar.dp_rank": "dp_rank",
-    "kvsidecar.tp_rank": "tp_rank",
-    "kvsidecar.pp_rank": "pp_rank",
-}
-
-
-def _rank_points(reqs) -> dict:
-    """(prom name, labels) -> summed value over requests, for rank resources' numbers."""
-    out: dict = {}
-    for req in reqs:
-        for rm in req.resource_metrics:
-            res = {RES[a.key]: a.value.string_value for a in rm.resource.attributes if a.key in RES}
-            if "segment" not in res:
-                continue  # the daemon's own metrics change between push and scrape
-            for sm in rm.scope_metrics:
-                for m in sm.metrics:
-                    kind = m.WhichOneof("data")
-                    if kind not in ("sum", "gauge"):
-                        continue
-                    prom = TO_PROM[m.name].prom
-                    for p in getattr(m, kind).data_points:
-                        lab = {**res, **{a.key: a.value.string_value for a in p.attributes}}
-                        v = p.as_int if p.WhichOneof("value") == "as_int" else p.as_double
-                        key = (prom, tuple(sorted(lab.items())))
-                        # delta: the sums add up to the cumulative; gauges: the last value
-                        out[key] = out.get(key, 0) + v if kind == "sum" and reqs_delta(m) else v
-    return out
-
-
-def reqs_delta(m) -> bool:
-    return m.sum.aggregation_temporality == 1
 
 
 @pytest.mark.parametrize("temporality", ["cumulative", "delta"])
@@ -84,10 +47,10 @@ def test_pushed_points_equal_metrics(shm_dir: str, temporality: str) -> None:
         writer.wait()
         time.sleep(2.0)
         _, _, text = fetch(base + "/metrics")
-        pushed = _rank_points(list(got) if temporality == "delta" else list(got)[-1:])
+        pushed = rank_points(list(got) if temporality == "delta" else list(got)[-1:])
         assert pushed
         scraped = {(n, tuple(sorted(lab.items()))): v for n, lab, v in samples(text)}
-        last = _rank_points(list(got)[-1:])
+        last = rank_points(list(got)[-1:])
         assert last
         for key, v in pushed.items():
             if key not in last:
