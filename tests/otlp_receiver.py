@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import http.server
 import socket
+import ssl
 import threading
 
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
@@ -11,13 +12,16 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 )
 
 
-def start_receiver(stall: threading.Event | None = None):
-    """(server, requests received); with ``stall``, each POST waits for it before answering."""
+def start_receiver(stall: threading.Event | None = None, tls: ssl.SSLContext | None = None):
+    """(server, requests received); with ``stall``, each POST waits for it before answering;
+    with ``tls``, over HTTPS. ``server.headers`` holds each request's headers."""
     got: list[ExportMetricsServiceRequest] = []
+    headers: list[dict[str, str]] = []
 
     class H(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
+            headers.append({k.lower(): v for k, v in self.headers.items()})
             if stall is not None:
                 stall.wait()
             got.append(ExportMetricsServiceRequest.FromString(body))
@@ -29,6 +33,9 @@ def start_receiver(stall: threading.Event | None = None):
             pass
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
+    srv.headers = headers  # type: ignore[attr-defined]
+    if tls is not None:  # a failed handshake is an OSError at accept: the server goes on
+        srv.socket = tls.wrap_socket(srv.socket, server_side=True)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
     return srv, got
 

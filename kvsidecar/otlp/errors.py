@@ -42,11 +42,23 @@ def explain(message: str) -> str:
 
 
 class RecordingSession(requests.Session):
-    """A requests session (the exporter's `session=`) that remembers the last failure."""
+    """A requests session (the exporter's `session=`) that remembers the last failure, and
+    keeps --otlp.ca-file in force."""
 
     def __init__(self) -> None:
         super().__init__()
         self.last_error = ""
+
+    def merge_environment_settings(
+        self, url: Any, proxies: Any, stream: Any, verify: Any, cert: Any
+    ) -> dict[str, Any]:
+        # requests lets REQUESTS_CA_BUNDLE/CURL_CA_BUNDLE override a session's own CA file
+        # (the exporter puts --otlp.ca-file there): set in many images, it made the push
+        # fail against a private CA however --otlp.ca-file was given. Proxies still apply.
+        out = super().merge_environment_settings(url, proxies, stream, verify, cert)
+        if isinstance(self.verify, str) and verify in (None, True):
+            out["verify"] = self.verify
+        return out
 
     def request(self, *args: Any, **kwargs: Any) -> requests.Response:
         try:

@@ -68,12 +68,13 @@ def read_headers(path: str) -> dict[str, str]:
     return out
 
 
-def start_push(
+def build_push(
     opts: dict[str, Any],
     families: Callable[[], Iterable],
     instances: Callable[[], Mapping[str, str]] | None = None,
 ) -> Any:
-    """The started Pusher, or None when --otlp.endpoint is unset."""
+    """The Pusher, not started, or None when --otlp.endpoint is unset. Raises
+    OtlpConfigError before serve listens: a bad setting never half-starts the daemon."""
     endpoint = opts.get("otlp_endpoint")
     if not endpoint:
         return None
@@ -116,5 +117,4 @@ def start_push(
         causes=causes,
         endpoint=endpoint,
     )
-    pusher.start()
     return pusher

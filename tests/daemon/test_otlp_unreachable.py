@@ -9,14 +9,13 @@ import signal
 import statistics
 import subprocess
 import time
-from collections.abc import Iterator
 
 import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
 
 from tests.otlp_receiver import StalledReceiver, dead_port
-from tests.procs import start_daemon, start_rank, wait_for
+from tests.procs import start_daemon, wait_for
 
 from .scrape import fetch, value
 
@@ -26,14 +25,6 @@ DROPPED = "kvsidecar_otlp_dropped_batches_total"
 # The exporter's timeout is max(1 s, interval): a 10 s interval keeps one export hanging on
 # the stalled receiver for 10 s, so a scrape that waited on it would take seconds, not ms.
 STALL_INTERVAL = "10"
-
-
-@pytest.fixture
-def rank(shm_dir: str) -> Iterator[None]:
-    proc = start_rank("kvsidecar.fake.dp0.tp0.pp0", shm_dir, dp=0, pools=2)[0]
-    yield
-    proc.kill()
-    proc.wait()
 
 
 def _serve(shm_dir: str, *extra: str) -> tuple[subprocess.Popen, str]:
