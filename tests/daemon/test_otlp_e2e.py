@@ -28,6 +28,8 @@ def test_pushed_points_equal_metrics(shm_dir: str, temporality: str) -> None:
         shm_dir,
         "--poll-interval",
         "0.1",
+        "--stale-after",
+        "3600",  # the stopped writer stays up: its values are compared, not only its health
         "--otlp.endpoint",
         url,
         "--otlp.interval",
@@ -41,17 +43,17 @@ def test_pushed_points_equal_metrics(shm_dir: str, temporality: str) -> None:
             len(r.resource_metrics) > 1 for r in got[-1:]
         ):
             time.sleep(0.1)
-        # Freeze the values (the writer steps on its own): its segment stays, and a few
+        # Freeze the values (the writer steps on its own): SIGSTOP, so its segment stays and
+        # it stays up (a killed writer is dead: only its health would be pushed), and a few
         # more pushes follow, so the last push and the scrape read the same snapshot.
-        writer.kill()
-        writer.wait()
+        writer.send_signal(signal.SIGSTOP)
         time.sleep(2.0)
         _, _, text = fetch(base + "/metrics")
         pushed = rank_points(list(got) if temporality == "delta" else list(got)[-1:])
         assert pushed
         scraped = {(n, tuple(sorted(lab.items()))): v for n, lab, v in samples(text)}
         last = rank_points(list(got)[-1:])
-        assert last
+        assert "kvsidecar_kv_pool_allocated_blocks" in {k[0] for k in last}  # values, too
         for key, v in pushed.items():
             if key not in last:
                 continue  # a series of an earlier push that has since changed its labels
