@@ -73,10 +73,15 @@ def test_demo_push_equals_metrics(shm_dir: str, engine: subprocess.Popen) -> Non
 
         assert wait_for(served, WAIT_S, 0.2)
         # Freeze the snapshots: SIGSTOP the pair (their segments stay, --stale-after keeps
-        # them up), then let every daemon poll and push the frozen values more than once.
+        # them up), then let every daemon poll and push the frozen values. 6 more pushes:
+        # more than the queue (4) and the one in flight could hold from before the freeze.
         os.killpg(engine.pid, signal.SIGSTOP)
         frozen_at = {t: len(got) for t, (_, got) in recv.items()}
-        assert wait_for(lambda: all(len(g) >= frozen_at[t] + 3 for t, (_, g) in recv.items()))
+
+        def pushed_since() -> bool:
+            return all(len(g) >= frozen_at[t] + 6 for t, (_, g) in recv.items())
+
+        assert wait_for(pushed_since, WAIT_S)
         for temporality, (_, base_url) in daemons.items():
             got = list(recv[temporality][1])
             scraped = _series(fetch(base_url + "/metrics")[2])
