@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import time
 
 import pytest
 
@@ -72,3 +73,22 @@ def test_queue_overflow_counted_as_queue_full() -> None:
     for _ in range(5):  # no sender thread: the queue only fills
         p.tick_once()
     assert p.dropped() == {"queue_full": 3, "send_failed": 0}
+
+
+def test_a_batch_that_fails_to_build_skips_one_push(caplog: pytest.LogCaptureFixture) -> None:
+    calls = []
+
+    def families() -> list:
+        calls.append(1)
+        if len(calls) == 1:
+            raise ValueError("a family the converter did not expect")
+        return []
+
+    p = Pusher(families, _Flaky(), 0.05)  # type: ignore[arg-type]
+    p.start()
+    deadline = time.monotonic() + 60  # an "eventually" on a shared host
+    while len(calls) < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    p.stop()
+    assert len(calls) >= 3  # the ticker went on after the failure
+    assert any("building a batch failed: ValueError" in r.getMessage() for r in caplog.records)

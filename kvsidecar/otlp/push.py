@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
 
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
 from kvsidecar.otlp.convert import Delta, to_metrics_data
 from kvsidecar.otlp.errors import Causes, explain
@@ -84,7 +84,10 @@ class Pusher:
         # The first batch at once, not an interval after start: a collector sees a new
         # sidecar (and a bad endpoint is logged) without waiting, e.g., 60 s.
         while True:
-            self.tick_once()
+            try:
+                self.tick_once()
+            except Exception as e:  # a conversion bug skips one batch, never the push
+                log.error("OTLP push: building a batch failed: %s: %s", type(e).__name__, e)
             if self._stop.wait(self._interval):
                 return
 
@@ -96,7 +99,7 @@ class Pusher:
                 continue
             self.send_one(data)
 
-    def send_one(self, data) -> bool:
+    def send_one(self, data: MetricsData | None) -> bool:
         """Export one batch, count it, and log a change between failing and working."""
         if self._causes is not None:
             self._causes.reset()
