@@ -7,10 +7,14 @@ import pytest
 pytest.importorskip("opentelemetry.sdk", reason="needs the kvsidecar[otlp] extra")
 
 from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
+from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
+    ExportMetricsServiceRequest,
+)
 from prometheus_client.core import (
     CounterMetricFamily,
     GaugeMetricFamily,
     HistogramMetricFamily,
+    InfoMetricFamily,
 )
 
 from kvsidecar.daemon.metric_defs import POOL_LABELS, RANK_LABELS
@@ -72,3 +76,39 @@ def test_delta_sends_differences() -> None:
     assert pts[key][0] == 10  # gauges stay as they are
     hist = pts[("", "kvsidecar.http_request_duration", (("handler", "/metrics"),))]
     assert hist[:3] == (1, 0.0, [1, 0])
+
+
+def _decoded(families, instances) -> ExportMetricsServiceRequest:
+    """Through the wire format, as a collector receives it."""
+    req = encode_metrics(to_metrics_data(families, 2_000, 1_000, instances=instances))
+    return ExportMetricsServiceRequest.FromString(req.SerializeToString())
+
+
+def test_rank_resource_names_the_instance() -> None:
+    req = _decoded(_families(5, 2), {"seg0": "4026531836.77", "seg1": ""})
+    res = [
+        {a.key: a.value.string_value for a in rm.resource.attributes} for rm in req.resource_metrics
+    ]
+    ranks = {r.get("kvsidecar.segment"): r for r in res}
+    assert ranks["seg0"] == {
+        "service.name": "kvsidecar",
+        "kvsidecar.segment": "seg0",
+        "kvsidecar.engine": "vllm",
+        "kvsidecar.model": "m",
+        "kvsidecar.role": "decode",
+        "kvsidecar.dp_rank": "0",
+        "kvsidecar.tp_rank": "0",
+        "kvsidecar.pp_rank": "0",
+        "kvsidecar.instance": "4026531836.77",
+    }
+    assert "kvsidecar.instance" not in ranks["seg1"]  # "" (a writer before v1.3): no attribute
+    assert ranks[None] == {"service.name": "kvsidecar"}  # the daemon's own metrics
+
+
+def test_info_families_are_pushed() -> None:
+    info = InfoMetricFamily("kvsidecar_engine", "", labels=RANK_LABELS)
+    info.add_metric(["seg0", "vllm", "m", "decode", "0", "0", "0"], {"device": "cuda:0"})
+    m = _decoded([info], None).resource_metrics[0].scope_metrics[0].metrics[0]
+    assert (m.name, m.unit, m.WhichOneof("data")) == ("kvsidecar.engine.info", "1", "gauge")
+    attrs = {a.key: a.value.string_value for a in m.gauge.data_points[0].attributes}
+    assert attrs == {"device": "cuda:0"} and m.gauge.data_points[0].as_int == 1

@@ -195,6 +195,26 @@ def discoverflood_cmd(quick: bool, out: str) -> None:
     report.write_json(out, "discoverflood", r)
 
 
+@bench.command(name="otlp")
+@quick_option
+@out_option
+def otlp_cmd(quick: bool, out: str) -> None:
+    """Daemon CPU per push interval and RSS: no push, dead and live collector (#34)."""
+    from kvsidecar.bench import otlp
+
+    r = otlp.run(quick=quick)
+    if "skipped" in r:
+        click.echo(f"otlp skipped: {r['skipped']}")
+        return
+    report.print_table(
+        f"OTLP push, {r['ranks']} ranks x {r['pools_per_rank']} pools, interval "
+        f"{r['interval_s']:g} s: medians of {r['windows']} windows of {r['window_s']:g} s",
+        otlp.HEADERS,
+        otlp.rows(r),
+    )
+    report.write_json(out, "otlp", r)
+
+
 @bench.command(name="all")
 @quick_option
 @out_option

@@ -399,6 +399,18 @@ def serve(
         ready_requires_source=ready_requires_source,
         exporter_metrics=not disable_exporter_metrics,
     )
+    # The OTLP push (kvsidecar/otlp/push.py), checked before any port is bound; started
+    # after the first poll, on its own threads, off the serving path.
+    from kvsidecar.daemon.collector import rank_instances
+    from kvsidecar.otlp.options import OtlpConfigError, build_push
+
+    try:
+        daemon.otlp_pusher = build_push(
+            otlp, daemon.collector.collect, lambda: rank_instances(targets.views())
+        )
+    except OtlpConfigError as e:
+        _start_error(str(e))
+        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     # Bound before the main port answers: once /-/healthy does, polls find a listener.
     gateway = None
     if gateway_address is not None:
@@ -444,14 +456,8 @@ def serve(
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     targets.poll_all()
     targets.start()
-    # The OTLP push, off the serving path on its own threads (kvsidecar/otlp/push.py).
-    from kvsidecar.otlp.options import OtlpConfigError, start_push
-
-    try:
-        start_push(otlp, daemon.collector.collect)
-    except OtlpConfigError as e:
-        click.echo(f"kvsidecar: {e}", err=True)
-        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
+    if daemon.otlp_pusher is not None:
+        daemon.otlp_pusher.start()
     scheme = "https" if server.tls else "http"
     log.info(
         "kvsidecar %s serving %s on %s (%s), shm_dir=%s prefix=%s",
@@ -476,6 +482,8 @@ def serve(
     if gateway is not None:
         gateway.shutdown()
     server.shutdown()
+    if daemon.otlp_pusher is not None:
+        daemon.otlp_pusher.stop()
     targets.stop()
 
 

@@ -92,6 +92,8 @@ class Daemon:
         self._cache: dict[str, tuple[int, bytes]] = {}
         # The gateway's PollServer, when --gateway.listen-address is set: its counts only.
         self.gateway_server: Any = None
+        # The OTLP Pusher, when --otlp.endpoint is set: its drop counts only.
+        self.otlp_pusher: Any = None
         self._render_lock = threading.Lock()
 
     # -- Handlers ---------------------------------------------------------------
@@ -191,6 +193,7 @@ class Daemon:
             "discovery_errors": dict(self.targets.discovery_errors_total),
             "waiting": self.targets.waiting,
             "gateway": _gateway_stats(self.gateway_server),
+            "otlp": self.otlp_pusher.dropped() if self.otlp_pusher is not None else None,
         }
 
     def _http_stats(self) -> dict[str, Any]:

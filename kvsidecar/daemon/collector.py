@@ -43,6 +43,12 @@ def rank_labels(view: TargetView) -> list[str]:
     ]
 
 
+def rank_instances(views: list[TargetView]) -> dict[str, str]:
+    """segment -> engine instance (runtime.instance; "" before schema v1.3): the OTLP push's
+    kvsidecar.instance Resource attribute, which no rank series carries as a label."""
+    return {v.name: v.last.snapshot.runtime.instance or "" for v in views if v.last is not None}
+
+
 def _family(m: md.MetricDef, labels: tuple[str, ...] | list[str]) -> Metric:
     if m.type == md.COUNTER:
         return CounterMetricFamily(m.name.removesuffix("_total"), m.help, labels=labels)
@@ -255,6 +261,11 @@ class SnapshotCollector:
             yield unremembered
             if stats.get("gateway") is not None:
                 yield from _gateway_families(stats["gateway"], defs)
+            if stats.get("otlp") is not None:  # {reason: n}, only while the push is on
+                dropped = _family(defs["kvsidecar_otlp_dropped_batches_total"], ("reason",))
+                for reason, n in sorted(stats["otlp"].items()):
+                    dropped.add_metric([reason], n)
+                yield dropped
         if self._http_stats is not None:
             yield from _http_families(self._http_stats(), defs)
 

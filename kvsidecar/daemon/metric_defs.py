@@ -779,6 +779,16 @@ DAEMON: tuple[MetricDef, ...] = (
         "lstat at every listing, never followed, and not counted in "
         "kvsidecar_segment_refusals_total.",
     ),
+    MetricDef(
+        "kvsidecar_otlp_dropped_batches_total",
+        COUNTER,
+        "batches",
+        "OTLP push batches lost (--otlp.endpoint; docs/otlp.md), by reason (label reason: "
+        "queue_full = the oldest unsent batch dropped from the bounded queue while the "
+        "collector was slow or unreachable, send_failed = the exporter gave up on a batch "
+        "after its retries: refused, timed out, TLS or HTTP error; the log names it). No "
+        "series while the push is off.",
+    ),
 )
 
 ALL: tuple[MetricDef, ...] = (*RUNTIME, ENGINE_INFO, *POOL, *POOL_DERIVED, *DP, *SOURCE, *DAEMON)

@@ -10,7 +10,7 @@ construction.
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 from opentelemetry.sdk.metrics.export import (
     AggregationTemporality,
@@ -41,6 +41,9 @@ RESOURCE_ATTRS = {
     "tp_rank": "kvsidecar.tp_rank",
     "pp_rank": "kvsidecar.pp_rank",
 }
+# The engine instance (runtime.instance, schema v1.3) is no label of the rank's series
+# (/metrics has it on the DP sums only), so it comes from the views: segment -> instance.
+INSTANCE_ATTR = "kvsidecar.instance"
 _SCOPE = InstrumentationScope("kvsidecar", __version__)
 _BY_PROM = {m.prom: m for m in mapping()}
 
@@ -68,16 +71,22 @@ class Delta:
 
 
 def to_metrics_data(
-    families: Iterable, now_ns: int, start_ns: int, delta: Delta | None = None
+    families: Iterable,
+    now_ns: int,
+    start_ns: int,
+    delta: Delta | None = None,
+    instances: Mapping[str, str] | None = None,
 ) -> MetricsData:
-    """One ResourceMetrics per engine rank (plus one for the daemon's own metrics)."""
+    """One ResourceMetrics per engine rank (plus one for the daemon's own metrics);
+    ``instances`` (segment -> engine instance) adds kvsidecar.instance where known."""
     temporality = (
         AggregationTemporality.DELTA if delta is not None else AggregationTemporality.CUMULATIVE
     )
     per_res: dict[Key, dict[str, tuple]] = {}  # resource -> otel name -> (def, points)
     for fam in families:
-        prom = fam.name + "_total" if fam.type == "counter" else fam.name
-        d = _BY_PROM.get(prom) or _BY_PROM.get(fam.name)
+        # prometheus_client drops the suffix of a counter's and an info's family name.
+        suffix = {"counter": "_total", "info": "_info"}.get(fam.type, "")
+        d = _BY_PROM.get(fam.name + suffix) or _BY_PROM.get(fam.name)
         if d is None:
             continue  # process_*/python_* self-metrics: not in metric_defs, not pushed
         if fam.type == "histogram":
@@ -105,6 +114,9 @@ def to_metrics_data(
     for res, metrics in per_res.items():
         ms = [_metric(d, pts, temporality) for d, pts in metrics.values()]
         attrs = {"service.name": "kvsidecar", **{RESOURCE_ATTRS[k]: v for k, v in res}}
+        instance = (instances or {}).get(dict(res).get("segment", ""))
+        if instance:  # "" from writers before schema v1.3: no attribute, not an empty one
+            attrs[INSTANCE_ATTR] = instance
         out.append(
             ResourceMetrics(
                 resource=Resource(attrs),

@@ -30,6 +30,7 @@ _NAMESPACES = (
     "gateway",
     "web",
     "scrape",
+    "otlp",
 )
 
 
@@ -44,9 +45,12 @@ class OtelName:
 def ucum(unit: str) -> str:
     if unit in _UCUM:
         return _UCUM[unit]
-    singular = (
-        unit[:-3] + "y" if unit.endswith("ies") else unit[:-1] if unit.endswith("s") else unit
-    )
+    if unit.endswith("ies"):
+        singular = unit[:-3] + "y"
+    elif unit.endswith(("ches", "shes", "sses", "xes")):  # batches -> batch, not batche
+        singular = unit[:-2]
+    else:
+        singular = unit.removesuffix("s")
     return "{" + singular + "}"
 
 

@@ -7,7 +7,7 @@ default install (without the extra) serves as before.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 from urllib.parse import urlsplit
 
@@ -68,8 +68,13 @@ def read_headers(path: str) -> dict[str, str]:
     return out
 
 
-def start_push(opts: dict[str, Any], families: Callable[[], Iterable]) -> Any:
-    """The started Pusher, or None when --otlp.endpoint is unset."""
+def build_push(
+    opts: dict[str, Any],
+    families: Callable[[], Iterable],
+    instances: Callable[[], Mapping[str, str]] | None = None,
+) -> Any:
+    """The Pusher, not started, or None when --otlp.endpoint is unset. Raises
+    OtlpConfigError before serve listens: a bad setting never half-starts the daemon."""
     endpoint = opts.get("otlp_endpoint")
     if not endpoint:
         return None
@@ -87,11 +92,13 @@ def start_push(opts: dict[str, Any], families: Callable[[], Iterable]) -> Any:
     try:
         from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 
+        from kvsidecar.otlp.errors import Causes
         from kvsidecar.otlp.push import Pusher
     except ImportError:
         raise OtlpConfigError(
             "--otlp.endpoint needs the OTLP extra: pip install 'kvsidecar[otlp]'"
         ) from None
+    causes = Causes()
     exporter = OTLPMetricExporter(
         endpoint=endpoint,
         headers=headers,
@@ -99,12 +106,15 @@ def start_push(opts: dict[str, Any], families: Callable[[], Iterable]) -> Any:
         client_certificate_file=opts.get("otlp_cert_file"),
         client_key_file=opts.get("otlp_key_file"),
         timeout=max(1.0, float(opts["otlp_interval"])),
+        session=causes.session,
     )
     pusher = Pusher(
         families,
         exporter,
         float(opts["otlp_interval"]),
         delta=opts.get("otlp_temporality") == "delta",
+        instances=instances,
+        causes=causes,
+        endpoint=endpoint,
     )
-    pusher.start()
     return pusher

@@ -8,14 +8,18 @@ ticker never waits on the network.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
-from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult
+from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult, MetricsData
 
 from kvsidecar.otlp.convert import Delta, to_metrics_data
+from kvsidecar.otlp.errors import Causes, explain
+
+log = logging.getLogger("kvsidecar.otlp")
 
 
 class Pusher:
@@ -26,8 +30,14 @@ class Pusher:
         interval_s: float,
         delta: bool = False,
         maxsize: int = 4,
+        instances: Callable[[], Mapping[str, str]] | None = None,
+        causes: Causes | None = None,
+        endpoint: str = "the collector",
     ) -> None:
         self._families, self._exporter, self._interval = families, exporter, interval_s
+        self._instances = instances  # segment -> runtime.instance, for the Resource
+        self._causes, self._endpoint = causes, endpoint
+        self.failing = ""  # the one-line cause while exports fail, "" while they succeed
         self._delta = Delta() if delta else None
         self._queue: queue.Queue = queue.Queue(maxsize=maxsize)
         self._stop = threading.Event()
@@ -46,10 +56,17 @@ class Pusher:
         self._stop.set()
         self._exporter.shutdown(timeout_millis=1000)
 
+    def dropped(self) -> dict[str, int]:
+        """Batches lost, by reason: the kvsidecar_otlp_dropped_batches_total series."""
+        return {"queue_full": self.stats["dropped"], "send_failed": self.stats["failed"]}
+
     def tick_once(self) -> None:
         """Build one batch and offer it (the ticker's body; tests call it directly)."""
         now = time.time_ns()
-        data = to_metrics_data(self._families(), now, self._start_ns, self._delta)
+        # Two reads of the views: a segment's instance changes only when its writer
+        # restarts, so at worst one push names the previous instance.
+        instances = self._instances() if self._instances is not None else None
+        data = to_metrics_data(self._families(), now, self._start_ns, self._delta, instances)
         if self._delta is not None:
             self._start_ns = now
         while True:
@@ -64,8 +81,15 @@ class Pusher:
                     pass
 
     def _tick(self) -> None:
-        while not self._stop.wait(self._interval):
-            self.tick_once()
+        # The first batch at once, not an interval after start: a collector sees a new
+        # sidecar (and a bad endpoint is logged) without waiting, e.g., 60 s.
+        while True:
+            try:
+                self.tick_once()
+            except Exception as e:  # a conversion bug skips one batch, never the push
+                log.error("OTLP push: building a batch failed: %s: %s", type(e).__name__, e)
+            if self._stop.wait(self._interval):
+                return
 
     def _send(self) -> None:
         while not self._stop.is_set():
@@ -73,8 +97,24 @@ class Pusher:
                 data = self._queue.get(timeout=0.5)
             except queue.Empty:
                 continue
-            try:
-                ok = self._exporter.export(data) is MetricExportResult.SUCCESS
-            except Exception:  # an exporter bug must not end the thread
-                ok = False
-            self.stats["exported" if ok else "failed"] += 1
+            self.send_one(data)
+
+    def send_one(self, data: MetricsData | None) -> bool:
+        """Export one batch, count it, and log a change between failing and working."""
+        if self._causes is not None:
+            self._causes.reset()
+        try:
+            ok = self._exporter.export(data) is MetricExportResult.SUCCESS
+            why = self._causes.text() if self._causes is not None else ""
+        except Exception as e:  # an exporter bug must not end the thread
+            ok, why = False, f"{type(e).__name__}: {e}"
+        self.stats["exported" if ok else "failed"] += 1
+        if ok and self.failing:
+            log.info("OTLP push to %s works again", self._endpoint)
+            self.failing = ""
+        elif not ok:
+            cause = explain(why or "the exporter gave no reason")
+            if cause != self.failing:  # one line per new cause, not one per interval
+                log.error("OTLP push to %s failing: %s", self._endpoint, cause)
+            self.failing = cause
+        return ok

@@ -10,50 +10,13 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
 
-from kvsidecar.otlp.names import mapping
+from tests.otlp_points import rank_points
 from tests.otlp_receiver import start_receiver
 from tests.procs import start_daemon, start_rank
 
 from .scrape import fetch, samples
 
 WAIT_S = 120.0  # generous: a shared host; never a bound on speed
-TO_PROM = {m.name: m for m in mapping()}
-RES = {
-    "kvsidecar.segment": "segment",
-    "kvsidecar.engine": "engine",
-    "kvsidecar.model": "model_name",
-    "kvsidecar.role": "role",
-    "kvsidecar.dp_rank": "dp_rank",
-    "kvsidecar.tp_rank": "tp_rank",
-    "kvsidecar.pp_rank": "pp_rank",
-}
-
-
-def _rank_points(reqs) -> dict:
-    """(prom name, labels) -> summed value over requests, for rank resources' numbers."""
-    out: dict = {}
-    for req in reqs:
-        for rm in req.resource_metrics:
-            res = {RES[a.key]: a.value.string_value for a in rm.resource.attributes if a.key in RES}
-            if "segment" not in res:
-                continue  # the daemon's own metrics change between push and scrape
-            for sm in rm.scope_metrics:
-                for m in sm.metrics:
-                    kind = m.WhichOneof("data")
-                    if kind not in ("sum", "gauge"):
-                        continue
-                    prom = TO_PROM[m.name].prom
-                    for p in getattr(m, kind).data_points:
-                        lab = {**res, **{a.key: a.value.string_value for a in p.attributes}}
-                        v = p.as_int if p.WhichOneof("value") == "as_int" else p.as_double
-                        key = (prom, tuple(sorted(lab.items())))
-                        # delta: the sums add up to the cumulative; gauges: the last value
-                        out[key] = out.get(key, 0) + v if kind == "sum" and reqs_delta(m) else v
-    return out
-
-
-def reqs_delta(m) -> bool:
-    return m.sum.aggregation_temporality == 1
 
 
 @pytest.mark.parametrize("temporality", ["cumulative", "delta"])
@@ -65,6 +28,8 @@ def test_pushed_points_equal_metrics(shm_dir: str, temporality: str) -> None:
         shm_dir,
         "--poll-interval",
         "0.1",
+        "--stale-after",
+        "3600",  # the stopped writer stays up: its values are compared, not only its health
         "--otlp.endpoint",
         url,
         "--otlp.interval",
@@ -78,17 +43,17 @@ def test_pushed_points_equal_metrics(shm_dir: str, temporality: str) -> None:
             len(r.resource_metrics) > 1 for r in got[-1:]
         ):
             time.sleep(0.1)
-        # Freeze the values (the writer steps on its own): its segment stays, and a few
+        # Freeze the values (the writer steps on its own): SIGSTOP, so its segment stays and
+        # it stays up (a killed writer is dead: only its health would be pushed), and a few
         # more pushes follow, so the last push and the scrape read the same snapshot.
-        writer.kill()
-        writer.wait()
+        writer.send_signal(signal.SIGSTOP)
         time.sleep(2.0)
         _, _, text = fetch(base + "/metrics")
-        pushed = _rank_points(list(got) if temporality == "delta" else list(got)[-1:])
+        pushed = rank_points(list(got) if temporality == "delta" else list(got)[-1:])
         assert pushed
         scraped = {(n, tuple(sorted(lab.items()))): v for n, lab, v in samples(text)}
-        last = _rank_points(list(got)[-1:])
-        assert last
+        last = rank_points(list(got)[-1:])
+        assert "kvsidecar_kv_pool_allocated_blocks" in {k[0] for k in last}  # values, too
         for key, v in pushed.items():
             if key not in last:
                 continue  # a series of an earlier push that has since changed its labels

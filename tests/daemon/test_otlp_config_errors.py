@@ -1,0 +1,42 @@
+"""A bad --otlp.* setting: `kvsidecar serve` exits 2 with one line naming the fix."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from kvsidecar.bench.fleet import daemon_command, free_port
+
+
+def _serve(shm_dir: str, *args: str) -> subprocess.CompletedProcess:
+    listen = f"127.0.0.1:{free_port()}"
+    argv = [*daemon_command(), "serve", "--shm-dir", shm_dir, "--web.listen-address", listen]
+    return subprocess.run([*argv, *args], capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize(
+    "args, fix",
+    [
+        (("--otlp.endpoint", "collector:4318"), "give an http(s) URL"),
+        (("--otlp.headers-file", "/nonexistent/otlp-headers"), "give a readable file"),
+        (("--otlp.ca-file", "/nonexistent/ca.pem"), "give a readable PEM file"),
+        (("--otlp.headers-file", "BAD"), "is not `name: value`"),
+    ],
+)
+def test_one_line_naming_the_fix(
+    shm_dir: str, tmp_path: Path, args: tuple[str, ...], fix: str
+) -> None:
+    if "BAD" in args:
+        bad = tmp_path / "headers"
+        bad.write_text("Bearer token-without-a-name\n")
+        args = (args[0], str(bad))
+    endpoint = (
+        () if args[0] == "--otlp.endpoint" else ("--otlp.endpoint", "http://c:4318/v1/metrics")
+    )
+    r = _serve(shm_dir, *endpoint, *args)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and fix in lines[0], lines
+    assert "token-without-a-name" not in r.stderr  # a header file's content is never echoed
