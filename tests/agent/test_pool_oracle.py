@@ -470,6 +470,12 @@ class PoolMachine(RuleBasedStateMachine):
         ]
         self._refused(calls[which])
 
+    @rule(p=st.integers(0, len(PREFIXES) - 1), x=st.sampled_from([1.5, "2", None]))
+    def invalid_prompt(self, p, x):
+        # Token ids are integers, as append_slots' are: a prompt with one that is not is
+        # refused unchanged (a pool skipping that check survived this oracle without it).
+        self._refused(lambda: self.pool.allocate_prompt("never-added", [*PREFIXES[p][:3], x]))
+
     @rule(i=st.integers(0, 99), kind=st.sampled_from(["negative", "beyond", "foreign"]))
     def invalid_lease(self, i, kind):
         m = self.m
@@ -508,6 +514,10 @@ class PoolMachine(RuleBasedStateMachine):
             assert type(table) is type(convert_table([], req.kind))
             t = table_tensor(table)
             assert t.tolist() == req.table
+            # The per-request queries agree with the model too (a pool whose
+            # pending_connectors answered empty for a deferred request survived without it).
+            assert pool.is_deferred(rid) == (req.pending is not None), rid
+            assert pool.pending_connectors(rid) == frozenset(req.pending or ()), rid
             holders.index_add_(0, t, torch.ones_like(t))
             if req.pending is not None:
                 deferred[t] = True
