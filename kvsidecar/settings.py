@@ -390,6 +390,13 @@ LOG_FORMAT = _s(
 VLLM_PYTHON = _s(
     "VLLM_PYTHON", "path", None, "`kvsidecar bench vllm`: the Python of the vLLM environment", BENCH
 )
+SGLANG_PYTHON = _s(
+    "SGLANG_PYTHON",
+    "path",
+    None,
+    "`kvsidecar bench cost --sglang` and the SGLang tests: the Python of the SGLang environment",
+    BENCH,
+)
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in ALL}
 

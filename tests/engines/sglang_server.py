@@ -1,9 +1,8 @@
 """A real SGLang 0.5.23 server on CPU for the tests (tests/engines/test_sglang_server.py).
 
-The server runs SGLang's own Scheduler, token allocator, radix cache, HTTP server and /metrics;
-the only thing not SGLang's is `sgl_kernel`, replaced by the test-only stand-in in
-sglang_helpers/kernel_standin (no CPU build of it is published). Flags: see
-shared/research/sglang-cpu.md. kvsidecar's plugin is found by its entry point alone.
+How to start it (command, environment, the test-only `sgl_kernel` stand-in) is shared with
+the benchmarks: `kvsidecar.bench.sglang`. Here: reading both sides' metrics, comparing them,
+and the server's processes. kvsidecar's plugin is found by its entry point alone.
 """
 
 from __future__ import annotations
@@ -13,37 +12,9 @@ import os
 import subprocess
 import urllib.request
 from pathlib import Path
-from typing import Any
 
 from kvsidecar.bench import vllm as vb
-
-STANDIN = Path(__file__).resolve().parent / "sglang_helpers" / "kernel_standin"
-MODEL = "tiny"
-
-
-def server_env(shm: Path, **extra: str) -> dict[str, str]:
-    return {
-        "SGLANG_USE_CPU_ENGINE": "1",  # else the scheduler imports vLLM's rotary kernel
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": str(STANDIN),
-        "KVSIDECAR_SHM_DIR": str(shm),
-        **extra,
-    }
-
-
-def server_command(python: str, model_dir: str, port: int, max_total_tokens: int) -> list[str]:
-    return [
-        python, "-m", "sglang.launch_server",
-        "--model-path", model_dir, "--served-model-name", MODEL,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
-        "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-        "--disable-overlap-schedule", "--disable-cuda-graph", "--grammar-backend", "none",
-        "--dtype", "float32", "--page-size", "1",
-        "--max-total-tokens", str(max_total_tokens), "--max-running-requests", "4",
-        "--enable-metrics",
-    ]  # fmt: skip
+from kvsidecar.bench.sglang import STANDIN
 
 
 def standin_problem(python: str) -> str | None:
@@ -59,21 +30,6 @@ def standin_problem(python: str) -> str | None:
         "a real sgl_kernel is importable in the SGLang env: remove the test-only stand-in "
         f"({STANDIN}) and run the server on the real kernel"
     )
-
-
-def generate(port: int, prompts: list[list[int]], max_new_tokens: int, **extra: Any) -> Any:
-    body = {
-        "input_ids": prompts,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
-        **extra,
-    }
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/generate",
-        data=json.dumps(body).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
 
 
 def abort(port: int, rid: str) -> None:

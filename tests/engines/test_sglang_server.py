@@ -29,6 +29,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvsidecar.bench import fleet
+from kvsidecar.bench import sglang as sb
 from kvsidecar.bench import vllm as vb
 from tests.engines import sglang_server as ss
 from tests.engines.envs import engine_python
@@ -43,8 +44,8 @@ SEGMENT = "kvsidecar.sglang.dp0.tp0.pp0"
 
 def start(python: str, tmp, shm, log_name: str, **env: str) -> subprocess.Popen:
     port = fleet.free_port()
-    cmd = ss.server_command(python, ss.model_dir(tmp / "model"), port, MAX_TOTAL)
-    proc = vb.start_server(cmd, ss.server_env(shm, **env), tmp / log_name, timeout=420)
+    cmd = sb.server_command(python, ss.model_dir(tmp / "model"), port, MAX_TOTAL)
+    proc = vb.start_server(cmd, sb.server_env(shm, **env), tmp / log_name, timeout=420)
     proc.port = port  # type: ignore[attr-defined]
     return proc
 
@@ -137,7 +138,7 @@ def test_prefix_sharing_under_eviction_pressure(stack):
         for round_ in range(3):  # rounds: each round's outputs differ, so the tree grows
             batch = [[*p, round_ + 1] for p in prompts]
             with concurrent.futures.ThreadPoolExecutor(4) as ex:
-                list(ex.map(lambda p: ss.generate(port, [p], 64), batch))
+                list(ex.map(lambda p: sb.generate(port, [p], 64), batch))
     assert seen, "no kvsidecar scrape during the load"
     for v in seen:  # page size 1: allocated + available is the whole pool at every step
         assert v["allocated"] + v["available"] == v["total"] == MAX_TOTAL, v
@@ -159,7 +160,7 @@ def test_burst_running_and_queued(stack):
     port, url = stack["port"], stack["kvs"]
     prompts = [[(11 * i + j) % 900 + 50 for j in range(40)] for i in range(12)]
     with sampling(lambda: (ss.kvsidecar_values(url), ss.sglang_values(port)), 0.05) as pairs:
-        ss.generate(port, prompts, 48)  # one HTTP request, 12 SGLang requests
+        sb.generate(port, prompts, 48)  # one HTTP request, 12 SGLang requests
     ours = [o for o, _ in pairs]
     theirs = [t for _, t in pairs]
     running = max(v["running"] for v in ours)
@@ -184,7 +185,7 @@ def test_abort_frees_the_request(stack):
 
     def long_request() -> None:
         try:
-            ss.generate(port, [prompt], 1500, rid=rid)
+            sb.generate(port, [prompt], 1500, rid=rid)
         except BaseException as e:  # aborted requests may end with an error status
             errors.append(e)
 
@@ -241,7 +242,7 @@ def test_restart_is_generation_2_then_clean_stop_reads_closed(stack):
 
         assert wait_for(up_again, 60, 0.2), rec
         print(f"restart: {rec.get('state')} generation {rec.get('generation')}")
-        ss.generate(server.port, [[50 + j for j in range(30)]], 8)
+        sb.generate(server.port, [[50 + j for j in range(30)]], 8)
         os.kill(server.pid, signal.SIGTERM)  # API server only, as Kubernetes/systemd do
         server.wait(120)
 
@@ -262,7 +263,7 @@ def test_disabled_by_its_variable(tmp_path):
     shm.mkdir()
     server = start(python, tmp_path, shm, "server.log", KVSIDECAR_DISABLE="1")
     try:
-        out = ss.generate(server.port, [[50 + j for j in range(20)]], 4)
+        out = sb.generate(server.port, [[50 + j for j in range(20)]], 4)
         assert len(out[0]["output_ids"]) == 4
         assert list(shm.iterdir()) == [], "KVSIDECAR_DISABLE=1 must leave SGLang alone"
     finally:
