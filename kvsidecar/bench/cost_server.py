@@ -138,10 +138,11 @@ def run(
     quick: bool = False,
     probe_health: bool = False,
     start_timeout: float = 240.0,
+    requests: int = 16,
 ) -> dict[str, Any]:
     """Start engine ``own``'s server (`BENCH_MODEL`, dummy weights), `measure` it under the
     fixed workload (``requests`` x prompts of 64 tokens, ``max_tokens``, 4 at a time), stop it."""
-    rounds, requests, max_tokens = (2, 8, 16) if quick else (8, 16, 32)
+    rounds, requests, max_tokens = (2, 8, 16) if quick else (8, requests, 32)
     tmp = tempfile.mkdtemp(prefix=f"kvsidecar-cost-{own}-")
     shm = os.path.join(tmp, "shm")
     os.makedirs(shm)

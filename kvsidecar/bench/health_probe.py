@@ -7,7 +7,9 @@ on. The prober measures that directly: in its own process (so its GIL and socket
 nothing with the benchmark's clients), one thread fetches ``/health`` at a fixed rate over a
 new connection each time (as kubelet probes do), another fetches ``/health_generate`` back to
 back (SGLang's check that runs one token through the scheduler; it answers after at least
-1 s, its own poll interval). A round starts with ``go`` on its stdin and ends with ``stop``,
+1 s, its own poll interval; in SGLang 0.5.23 plain ``/health`` is the same check unless
+``SGLANG_ENABLE_HEALTH_ENDPOINT_GENERATION=0``, which `cost_sglang` sets so that ``/health``
+times the event loop alone). A round starts with ``go`` on its stdin and ends with ``stop``,
 upon which it prints that round's latencies as one JSON line: no sample straddles two rounds,
 and a round is never stopped in the middle of a request (a SIGSTOP would bill the pause to
 the request in flight).
