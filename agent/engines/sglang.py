@@ -193,12 +193,13 @@ class SGLangSidecar:
         its metrics reporter adds to ``sglang:realtime_tokens_total`` after the batch ran:
         ``log_hit_tokens`` (the radix-cache prefix each admitted request matched:
         ``mode="prefill_cache"``) and ``log_input_tokens`` (what was left to compute,
-        ``mode="prefill_compute"`` less SWA replays). Queried = matched + computed. Batches
-        without stats (decode, a decode turned into an extend) add nothing, as in SGLang.
+        ``mode="prefill_compute"`` less SWA replays). Queried = matched + computed. Only
+        extend (prefill) batches count, as SGLang reports only those: after its prefill a
+        batch object lives on as the running decode batch, ``prefill_stats`` still set.
         Chunked prefill counts each chunk with the chunks before it as its matched prefix,
         and a retracted request counts again when readmitted: SGLang's units, kept."""
         stats = getattr(batch, "prefill_stats", None)
-        if stats is None:
+        if stats is None or not batch.forward_mode.is_extend():
             return
         hit = int(stats.log_hit_tokens)
         s = self.source.stats
