@@ -4,6 +4,7 @@ endpoint shows in the latencies, and the summary pairs each round with its own n
 from __future__ import annotations
 
 import http.server
+import statistics
 import threading
 import time
 from collections.abc import Iterator
@@ -54,7 +55,9 @@ def test_rounds_hold_their_own_samples_and_see_a_slow_health(server: int) -> Non
     for r in (fast, slow):
         assert 8 <= len(r["/health"]) <= 25, r  # 20 Hz for 1 s, on a loaded host
         assert r["/health_generate"] and not r["failed"], r
-    assert max(fast["/health"]) < 30 <= min(slow["/health"]), (fast, slow)
+    # Every slow answer waited its 30 ms; the fast round's median did not (its max may, on
+    # a loaded host).
+    assert statistics.median(fast["/health"]) < 30 <= min(slow["/health"]), (fast, slow)
 
 
 def test_summary_pairs_rounds_with_their_own_none() -> None:
