@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -117,7 +118,11 @@ def settled(stack) -> tuple[dict, dict]:
     last: list = [None, None, None]
 
     def agree() -> bool:
-        theirs, ours = ss.sglang_values(stack["port"]), ss.kvsidecar_values(stack["kvs"])
+        try:
+            theirs, ours = ss.sglang_values(stack["port"]), ss.kvsidecar_values(stack["kvs"])
+        except (OSError, http.client.HTTPException) as e:  # SGLang reset a scrape once: retry
+            last[2] = [f"scrape failed: {e!r}"]
+            return False
         last[:] = theirs, ours, ss.mismatches(theirs, ours)
         return not last[2]
 
