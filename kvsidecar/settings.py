@@ -398,6 +398,13 @@ BENCH_CHECKOUT = _s(
     "built in place), for side-by-side tables",
     BENCH,
 )
+SGLANG_PYTHON = _s(
+    "SGLANG_PYTHON",
+    "path",
+    None,
+    "`kvsidecar bench cost --sglang` and the SGLang tests: the Python of the SGLang environment",
+    BENCH,
+)
 
 BY_NAME: dict[str, Setting] = {s.name: s for s in ALL}
 

@@ -26,7 +26,9 @@ count below is a multiple of it, so ``x block_size_tokens`` gives SGLang's slots
 * ``protected_blocks`` = ``protected_size() // page_size`` (a subset of allocated);
 * ``tokens_used`` = ``num_used`` when ``page_size == 1`` (every used slot holds a token);
   null for larger pages, whose unfilled tail slots SGLang does not count in O(1);
-* ``reserved_blocks`` = 0 (SGLang has no reserve ledger); deferral, counters: null.
+* ``reserved_blocks`` = 0 (SGLang has no reserve ledger); deferral, alloc/free counters: null;
+* ``prefix_hit_tokens_total`` / ``prefix_query_tokens_total``: the scheduler's own prefill
+  counts (`SGLangSidecar.count_prefill`), SGLang's ``realtime_tokens_total`` modes.
 
 Hook point: `SGLangSidecar`, attached to every SGLang scheduler by the ``sglang.srt.plugins``
 entry point (``agent/engines/sglang_plugin.py``), publishes after each
@@ -102,6 +104,9 @@ class SGLangPoolSource:
             cached_blocks=0,
             protected_blocks=0,
             tokens_used=0 if page == 1 else None,
+            # Counted by `SGLangSidecar.count_prefill` from the scheduler's own prefill stats.
+            prefix_query_tokens_total=0,
+            prefix_hit_tokens_total=0,
         )
         self.snapshot()
 
@@ -180,6 +185,26 @@ class SGLangSidecar:
         sidecar = cls(agent, source)
         sidecar.publish(scheduler, 0)
         return sidecar
+
+    def count_prefill(self, batch: Any) -> None:
+        """Add one prefill batch's prefix-cache lookups, as SGLang's scheduler counted them.
+
+        ``batch.prefill_stats`` is what SGLang's `PrefillAdder` summed at admission and what
+        its metrics reporter adds to ``sglang:realtime_tokens_total`` after the batch ran:
+        ``log_hit_tokens`` (the radix-cache prefix each admitted request matched:
+        ``mode="prefill_cache"``) and ``log_input_tokens`` (what was left to compute,
+        ``mode="prefill_compute"`` less SWA replays). Queried = matched + computed. Only
+        extend (prefill) batches count, as SGLang reports only those: after its prefill a
+        batch object lives on as the running decode batch, ``prefill_stats`` still set.
+        Chunked prefill counts each chunk with the chunks before it as its matched prefix,
+        and a retracted request counts again when readmitted: SGLang's units, kept."""
+        stats = getattr(batch, "prefill_stats", None)
+        if stats is None or not batch.forward_mode.is_extend():
+            return
+        hit = int(stats.log_hit_tokens)
+        s = self.source.stats
+        s.prefix_hit_tokens_total += hit  # type: ignore[operator]
+        s.prefix_query_tokens_total += hit + int(stats.log_input_tokens)  # type: ignore[operator]
 
     def publish(self, scheduler: Any, retracted: int) -> None:
         """One scheduler iteration: running/queued as SGLang's own gauges count them."""

@@ -12,7 +12,8 @@ through unchanged; what kvsidecar does is caught and logged once, never raised i
 
 * ``Scheduler.__init__``: attach an agent and the `SGLangPoolSource` of its pool;
 * ``Scheduler.process_batch_result`` and ``Scheduler.on_idle``: one publish per scheduler
-  iteration (a batch was processed, or there was none), the event loops' two branches;
+  iteration (a batch was processed, or there was none), the event loops' two branches; after
+  a prefill batch, its prefix-cache counts (``batch.prefill_stats``) first;
 * ``ScheduleBatch.retract_decode``: counts retracted requests (SGLang's preemptions);
 * ``kill_process_tree`` in the launching process: SGLang stops its schedulers with SIGKILL
   (``Engine.shutdown``), so the segments of schedulers still alive when the stop begins are
@@ -61,7 +62,7 @@ def register() -> None:
         return
     try:
         HookRegistry.register(f"{SCHEDULER}.__init__", _after_init, HookType.AFTER)
-        HookRegistry.register(f"{SCHEDULER}.process_batch_result", _after_step, HookType.AFTER)
+        HookRegistry.register(f"{SCHEDULER}.process_batch_result", _after_batch, HookType.AFTER)
         HookRegistry.register(f"{SCHEDULER}.on_idle", _after_step, HookType.AFTER)
         HookRegistry.register(RETRACT, _after_retract, HookType.AFTER)
         HookRegistry.register(KILL_TREE, _around_kill_tree, HookType.AROUND)
@@ -79,6 +80,18 @@ def _after_init(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
         scheduler.__dict__["_kvsidecar"] = SGLangSidecar.attach(scheduler)
     except Exception as e:
         _log_once("attach", "kvsidecar not attached to this scheduler (engine unaffected): %r", e)
+
+
+def _after_batch(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:
+    """``process_batch_result(batch, result)``: SGLang's hook wrapper does not catch what an
+    AFTER hook raises, so everything that reads SGLang's objects here is guarded."""
+    sidecar = scheduler.__dict__.get("_kvsidecar")
+    if sidecar is not None:
+        try:
+            sidecar.count_prefill(args[0] if args else kwargs["batch"])
+        except Exception as e:  # an SGLang whose PrefillStats moved: counters stop, rest goes on
+            _log_once("prefill", "kvsidecar: prefix-cache counters not counted: %r", e)
+        sidecar.publish(scheduler, _retracted)
 
 
 def _after_step(result: Any, scheduler: Any, *args: Any, **kwargs: Any) -> None:

@@ -705,6 +705,17 @@ def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
 @click.option(
     "--vllm", "with_vllm", is_flag=True, help="Also the real vLLM server (needs its env)."
 )
+@click.option(
+    "--sglang",
+    "with_sglang",
+    is_flag=True,
+    help="Also the real SGLang server and its /health latency (needs its env, a checkout).",
+)
+@click.option(
+    "--engines-only",
+    is_flag=True,
+    help="Only the real engines named (--vllm, --sglang): skip the demo engine and daemon.",
+)
 @device_option
 @click.option(
     "--vs",
@@ -714,15 +725,31 @@ def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
     help="Also the daemon of another source tree, side by side (e.g. a git worktree of an "
     "older commit, extension built in place: python setup.py build_ext --inplace).",
 )
-def cost_cmd(quick: bool, out: str, with_vllm: bool, device: str, vs: str | None) -> None:
+def cost_cmd(
+    quick: bool,
+    out: str,
+    with_vllm: bool,
+    with_sglang: bool,
+    engines_only: bool,
+    device: str,
+    vs: str | None,
+) -> None:
     """What a scrape costs the engine's processes: CPU, syscalls, context switches (/proc)."""
     from kvsidecar.bench import cost
 
-    r = cost.run(quick=quick, vllm=with_vllm, device=device, vs=vs)
+    r = cost.run(
+        quick=quick,
+        vllm=with_vllm,
+        device=device,
+        vs=vs,
+        sglang=with_sglang,
+        engines_only=engines_only,
+    )
     for table in cost.tables(r):
         report.print_table(*table)
-    if (v := r.get("vllm")) and "skipped" in v:
-        click.echo(f"bench cost --vllm: {v['skipped']}")
+    for engine in ("vllm", "sglang"):
+        if (v := r.get(engine)) and "skipped" in v:
+            click.echo(f"bench cost --{engine}: {v['skipped']}")
     report.write_json(out, "cost", r)
 
 

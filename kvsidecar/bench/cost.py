@@ -17,7 +17,9 @@ bootstrap 95 % interval (`stats.mean_interval`).
   50 Hz that follows;
 * ``--vllm`` (needs the vLLM env): the real server (API server, EngineCore) answering a
   fixed set of completions (fixed prompt, max_tokens, ignore_eos) under none,
-  kvsidecar at 20/50 Hz and vLLM's own /metrics at 20/50 Hz.
+  kvsidecar at 20/50 Hz and vLLM's own /metrics at 20/50 Hz (`cost_vllm`, `cost_server`);
+* ``--sglang`` (needs the SGLang env and a checkout): the same against a real SGLang
+  server, plus its /health and /health_generate latency in every round (`cost_sglang`).
 """
 
 from __future__ import annotations
@@ -39,7 +41,7 @@ import urllib.request
 from collections.abc import Callable
 from typing import Any
 
-from kvsidecar.bench import proccount, stats
+from kvsidecar.bench import health_probe, proccount, stats
 from kvsidecar.bench.fleet import fleet, start_daemon, stop_daemon
 
 DEMO_CONDITIONS = (
@@ -52,7 +54,6 @@ DEMO_CONDITIONS = (
     "prometheus_client@50",
     "locked_snapshot@20",
 )
-VLLM_CONDITIONS = ("none", "kvsidecar@20", "kvsidecar@50", "burner@50", "vllm@20", "vllm@50")
 SETTLE_S = 0.1  # after a round: an in-flight scrape finishes inside its own round
 
 # Scrapes a URL at HZ over one keep-alive connection (as Prometheus does) and keeps the
@@ -420,17 +421,29 @@ def _daemon_row(
 
 
 def run(
-    quick: bool = False, vllm: bool = False, device: str = "cpu", vs: str | None = None
+    quick: bool = False,
+    vllm: bool = False,
+    device: str = "cpu",
+    vs: str | None = None,
+    sglang: bool = False,
+    engines_only: bool = False,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"quick": quick}
-    out["demo"] = bench_demo(rounds=3 if quick else 10, steps=300 if quick else 1000, device=device)
-    out["daemon"] = bench_daemon(
-        rounds=2 if quick else 6, window_s=2.0 if quick else 5.0, vs=vs, host_load=not quick
-    )
+    if not engines_only:  # the demo engine and the daemon alone take ~5 min in full
+        out["demo"] = bench_demo(
+            rounds=3 if quick else 10, steps=300 if quick else 1000, device=device
+        )
+        out["daemon"] = bench_daemon(
+            rounds=2 if quick else 6, window_s=2.0 if quick else 5.0, vs=vs, host_load=not quick
+        )
     if vllm:
         from kvsidecar.bench import cost_vllm
 
         out["vllm"] = cost_vllm.run(quick=quick)
+    if sglang:
+        from kvsidecar.bench import cost_sglang
+
+        out["sglang"] = cost_sglang.run(quick=quick)
     return out
 
 
@@ -473,18 +486,25 @@ def engine_rows(conditions: dict[str, Any]) -> list[list[Any]]:
 
 
 def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
-    d = r["demo"]
-    out = [
-        (
-            f"cost to the demo engine process ({d['device']}) per scrape answered ({d['rounds']} "
-            "interleaved "
-            f"rounds x {d['steps_per_round']} steps; paired deltas vs the same round's none; "
-            "the engine also hosts the exporter's listening socket in every condition)",
-            ENGINE_HEADERS,
-            engine_rows(d["conditions"]),
+    out = []
+    if d := r.get("demo"):
+        out.append(
+            (
+                f"cost to the demo engine process ({d['device']}) per scrape answered "
+                f"({d['rounds']} interleaved rounds x {d['steps_per_round']} steps; paired "
+                "deltas vs the same round's none; the engine also hosts the exporter's "
+                "listening socket in every condition)",
+                ENGINE_HEADERS,
+                engine_rows(d["conditions"]),
+            )
         )
-    ]
-    out.append(
+    out.extend(_daemon_table(r["daemon"]) if "daemon" in r else [])
+    out.extend(_engine_tables(r))
+    return out
+
+
+def _daemon_table(daemon: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    return [
         (
             "daemon CPU per scrape (50 Hz scrape windows paired with idle windows) and the "
             "core budget (idle poll + Hz x CI upper bound)",
@@ -495,13 +515,15 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
                  _cell(v["cpu_ms_per_scrape"]),
                  _cell(v["syscalls_per_scrape"], fmt="{:.1f}"), round(v["idle_cpu_ms_per_s"], 2),
                  round(v["core_pct"][20], 2), round(v["core_pct"][50], 2)]
-                for k, v in r["daemon"].items()
+                for k, v in daemon.items()
             ],
         )
-    )  # fmt: skip
-    if v := r.get("vllm"):
-        if "skipped" in v:
-            return out
+    ]  # fmt: skip
+
+
+def _engine_tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
+    out = []
+    if (v := r.get("vllm")) and "skipped" not in v:
         out.append(
             (
                 f"cost to vLLM's processes (API server, EngineCore) per scrape answered "
@@ -509,6 +531,25 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
                 "tokens; paired deltas vs the same round's none)",
                 ENGINE_HEADERS,
                 engine_rows(v["conditions"]),
+            )
+        )
+    if (s := r.get("sglang")) and "skipped" not in s:
+        out.append(
+            (
+                f"cost to SGLang's processes (API server, scheduler, detokenizer) per scrape "
+                f"answered ({s['rounds']} rounds x {s['requests']} generations of "
+                f"{s['max_tokens']} tokens; paired deltas vs the same round's none)",
+                ENGINE_HEADERS,
+                engine_rows(s["conditions"]),
+            )
+        )
+        out.append(
+            (
+                "SGLang health-check latency through the same rounds (/health at 20 Hz, "
+                "/health_generate back to back, a new connection each; ratios paired with "
+                "the same round's none)",
+                health_probe.HEADERS,
+                health_probe.rows(s["health"]),
             )
         )
     return out

@@ -225,19 +225,33 @@ def complete(
     )
 
 
-def fixed_completions(
-    port: int, requests: int, max_tokens: int, pool: Executor, timeout: float = 300.0
+def fixed_requests(
+    build: Callable[[list[int]], urllib.request.Request],
+    requests: int,
+    pool: Executor,
+    expect: bytes,
+    timeout: float = 300.0,
 ) -> Callable[[], None]:
-    """The cost benchmarks' fixed workload: ``requests`` completions of the same 64-token
-    prompts (``max_tokens``, ``ignore_eos``), sent through ``pool``; each call repeats it."""
+    """The cost benchmarks' fixed workload: ``requests`` requests built by ``build`` from the
+    same 64-token prompts, sent through ``pool``; each call repeats it, and every answer
+    must contain ``expect``."""
     prompts = [[(k * 37 + j * 11) % 997 + 3 for j in range(64)] for k in range(requests)]
 
     def work() -> None:
-        reqs = [complete(port, p, max_tokens) for p in prompts]
+        reqs = [build(p) for p in prompts]
         for body in pool.map(lambda r: urllib.request.urlopen(r, timeout=timeout).read(), reqs):
-            assert b'"choices"' in body
+            assert expect in body, body[:200]
 
     return work
+
+
+def fixed_completions(
+    port: int, requests: int, max_tokens: int, pool: Executor, timeout: float = 300.0
+) -> Callable[[], None]:
+    """`fixed_requests` as OpenAI completions (``max_tokens``, ``ignore_eos``)."""
+    return fixed_requests(
+        lambda p: complete(port, p, max_tokens), requests, pool, b'"choices"', timeout
+    )
 
 
 def parse_metrics(text: str) -> dict[str, list[tuple[dict[str, str], float]]]:

@@ -1,49 +1,25 @@
 """A real SGLang 0.5.23 server on CPU for the tests (tests/engines/test_sglang_server.py).
 
-The server runs SGLang's own Scheduler, token allocator, radix cache, HTTP server and /metrics;
-the only thing not SGLang's is `sgl_kernel`, replaced by the test-only stand-in in
-sglang_helpers/kernel_standin (no CPU build of it is published). Flags: see
-shared/research/sglang-cpu.md. kvsidecar's plugin is found by its entry point alone.
+How to start it (command, environment, the test-only `sgl_kernel` stand-in) is shared with
+the benchmarks: `kvsidecar.bench.sglang`. Here: reading both sides' metrics, comparing them,
+and the server's processes. kvsidecar's plugin is found by its entry point alone.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import subprocess
+import threading
+import time
 import urllib.request
 from pathlib import Path
 from typing import Any
 
 from kvsidecar.bench import vllm as vb
-
-STANDIN = Path(__file__).resolve().parent / "sglang_helpers" / "kernel_standin"
-MODEL = "tiny"
-
-
-def server_env(shm: Path, **extra: str) -> dict[str, str]:
-    return {
-        "SGLANG_USE_CPU_ENGINE": "1",  # else the scheduler imports vLLM's rotary kernel
-        "HF_HUB_OFFLINE": "1",
-        "TRANSFORMERS_OFFLINE": "1",
-        "PYTHONPATH": str(STANDIN),
-        "KVSIDECAR_SHM_DIR": str(shm),
-        **extra,
-    }
-
-
-def server_command(python: str, model_dir: str, port: int, max_total_tokens: int) -> list[str]:
-    return [
-        python, "-m", "sglang.launch_server",
-        "--model-path", model_dir, "--served-model-name", MODEL,
-        "--host", "127.0.0.1", "--port", str(port),
-        "--device", "cpu", "--load-format", "dummy", "--skip-tokenizer-init",
-        "--attention-backend", "torch_native", "--sampling-backend", "pytorch",
-        "--disable-overlap-schedule", "--disable-cuda-graph", "--grammar-backend", "none",
-        "--dtype", "float32", "--page-size", "1",
-        "--max-total-tokens", str(max_total_tokens), "--max-running-requests", "4",
-        "--enable-metrics",
-    ]  # fmt: skip
+from kvsidecar.bench.sglang import STANDIN
+from kvsidecar.protocol.reader import Reading, SegmentReader
 
 
 def standin_problem(python: str) -> str | None:
@@ -61,39 +37,62 @@ def standin_problem(python: str) -> str | None:
     )
 
 
-def generate(port: int, prompts: list[list[int]], max_new_tokens: int, **extra: Any) -> Any:
-    body = {
-        "input_ids": prompts,
-        "sampling_params": {"max_new_tokens": max_new_tokens, "ignore_eos": True},
-        **extra,
-    }
+def post(port: int, path: str, body: dict) -> bytes:
     req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/generate",
+        f"http://127.0.0.1:{port}{path}",
         data=json.dumps(body).encode(),
         headers={"Content-Type": "application/json"},
     )
-    with urllib.request.urlopen(req, timeout=600) as r:
-        return json.loads(r.read())
+    with urllib.request.urlopen(req, timeout=60) as r:
+        return r.read()
 
 
 def abort(port: int, rid: str) -> None:
-    req = urllib.request.Request(
-        f"http://127.0.0.1:{port}/abort_request",
-        data=json.dumps({"rid": rid}).encode(),
-        headers={"Content-Type": "application/json"},
-    )
-    with urllib.request.urlopen(req, timeout=30):
-        pass
+    post(port, "/abort_request", {"rid": rid})
+
+
+def sglang_live(port: int) -> dict[str, Any]:
+    """SGLang's /v1/loads: the scheduler's counts computed when asked (not the gauges' last
+    report), so they are exact while nothing runs, e.g. paused."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/loads", timeout=30) as r:
+        (load,) = json.loads(r.read())["loads"]  # one scheduler
+    return load
+
+
+def live_mismatches(live: dict[str, Any], ours: dict[str, float]) -> list[str]:
+    pairs = [
+        ("max_total_num_tokens", live["max_total_num_tokens"], ours["total"]),
+        ("num_used_tokens", live["num_used_tokens"], ours["allocated"]),
+        ("num_used_tokens/tokens_used", live["num_used_tokens"], ours["tokens_used"]),
+        ("num_running_reqs", live["num_running_reqs"], ours["running"]),
+        ("num_waiting_reqs", live["num_waiting_reqs"], ours["waiting"]),
+    ]
+    return [f"{n}: sglang {a} kvsidecar {b}" for n, a, b in pairs if a != b]
+
+
+def _counter(m: dict, name: str, **labels: str) -> float:
+    """A counter's value; 0 when SGLang has not created the series yet (it creates a
+    labelled series at its first increment, and skips increments of 0)."""
+    try:
+        return vb.value(m, name, **labels)
+    except KeyError:
+        return 0.0
 
 
 def sglang_values(port: int) -> dict[str, float]:
-    """SGLang's own gauges (one scheduler: tp_rank 0)."""
+    """SGLang's own gauges (one scheduler: tp_rank 0) and the counters we mirror."""
     m = vb.scrape(f"http://127.0.0.1:{port}/metrics")
     names = (
         "num_used_tokens", "kv_used_tokens", "kv_available_tokens", "kv_evictable_tokens",
         "token_usage", "num_running_reqs", "num_queue_reqs", "max_total_num_tokens",
     )  # fmt: skip
-    return {n: vb.value(m, f"sglang:{n}", tp_rank="0") for n in names}
+    out = {n: vb.value(m, f"sglang:{n}", tp_rank="0") for n in names}
+    # Counted by the scheduler at every prefill batch / retraction, no sampling lag.
+    tokens = "sglang:realtime_tokens_total"
+    out["prefill_cache"] = _counter(m, tokens, tp_rank="0", mode="prefill_cache")
+    out["prefill_compute"] = _counter(m, tokens, tp_rank="0", mode="prefill_compute")
+    out["retracted"] = _counter(m, "sglang:num_retracted_requests_total", tp_rank="0")
+    return out
 
 
 def kvsidecar_values(url: str) -> dict[str, float]:
@@ -114,7 +113,21 @@ def kvsidecar_values(url: str) -> dict[str, float]:
         "running": vb.value(m, "kvsidecar_requests_running"),
         "waiting": vb.value(m, "kvsidecar_requests_waiting"),
         "preemptions": vb.value(m, "kvsidecar_preemptions_total"),
+        "prefix_query": pool("prefix_query_tokens_total"),
+        "prefix_hit": pool("prefix_hit_tokens_total"),
     }
+
+
+def counter_pairs(theirs: dict[str, float], ours: dict[str, float]) -> list[tuple]:
+    """(SGLang's name, SGLang's value, ours) for the counters: prefix-cache tokens matched
+    (``prefill_cache``) and looked up (matched + computed: SGLang's ``prefill_compute``,
+    which would add SWA replays: none on this model), and retracted requests."""
+    query = theirs["prefill_cache"] + theirs["prefill_compute"]
+    return [
+        ("realtime_tokens_total{prefill_cache}", theirs["prefill_cache"], ours["prefix_hit"]),
+        ("realtime_tokens_total{prefill_cache+prefill_compute}", query, ours["prefix_query"]),
+        ("num_retracted_requests_total", theirs["retracted"], ours["preemptions"]),
+    ]
 
 
 def mismatches(theirs: dict[str, float], ours: dict[str, float]) -> list[str]:
@@ -130,6 +143,7 @@ def mismatches(theirs: dict[str, float], ours: dict[str, float]) -> list[str]:
         ("num_queue_reqs", theirs["num_queue_reqs"], ours["waiting"]),
         # SGLang rounds token_usage to 2 decimals.
         ("token_usage", theirs["token_usage"], round(ours["usage"], 2)),
+        *counter_pairs(theirs, ours),
     ]
     return [f"{n}: sglang {a} kvsidecar {b}" for n, a, b in pairs if a != b]
 
@@ -157,3 +171,81 @@ def model_dir(directory: Path) -> str:
 
 def stop(proc: subprocess.Popen) -> None:
     vb.stop_server(proc, timeout=60)
+
+
+# Under load: SGLang's gauge -> kvsidecar's field, both in SGLang's units (page size 1).
+LAGGED = (
+    ("num_used_tokens", "allocated"),
+    ("kv_evictable_tokens", "cached"),
+    ("num_running_reqs", "running"),
+    ("num_queue_reqs", "waiting"),
+)
+
+
+class StateLog:
+    """Every distinct state kvsidecar's record went through, read straight from the segment
+    about 1,000 times a second on a thread (a scheduler step takes milliseconds here, so no
+    state is missed for long): [(used, evictable, running, queued), first seen, last seen].
+    The daemon's /metrics serves the same record; a 20 Hz scrape of it would see only some
+    of the states, too few to hold SGLang's reports against."""
+
+    def __init__(self, shm_dir: Path, name: str) -> None:
+        self.states: list[list[Any]] = []
+        self._reader = SegmentReader(name, shm_dir=str(shm_dir))
+        assert self._reader.attach() is None
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            r = self._reader.read()
+            if isinstance(r, Reading):
+                p, rt = r.snapshot.pools[0], r.snapshot.runtime
+                key = (
+                    p.allocated_blocks,
+                    p.cached_blocks,
+                    rt.requests_running,
+                    rt.requests_waiting,
+                )
+                now = time.monotonic()
+                if self.states and self.states[-1][0] == key:
+                    self.states[-1][2] = now
+                else:
+                    self.states.append([key, now, now])
+            time.sleep(0.001)
+
+    def __enter__(self) -> StateLog:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        self._reader.close()
+
+
+def unexplained_reports(
+    states: list[list[Any]], sglang: list[tuple[float, float, dict]], slack: float = 0.25
+) -> tuple[list[str], int, float]:
+    """SGLang's reports that kvsidecar's record never showed when SGLang made them.
+
+    SGLang's gauges lag: a report is the state at one step (a prefill, or every 40th decode
+    step) and stays on /metrics until the next. So each new report seen in SGLang's series
+    (scrapes as (start, end, values)), its four values together, must equal one state of
+    kvsidecar's record (`StateLog`) that was current between the start of SGLang's previous
+    scrape, which did not show it yet, and the end of the one that did; ``slack`` covers the
+    threads' scheduling on a loaded host. Returns the reports that match no such state, how
+    many reports there were, and SGLang's longest gap between reports (its sampling lag)."""
+    bad, reports, lag = [], 0, 0.0
+    last_change = sglang[0][1] if sglang else 0.0
+    for (s0, _, a), (_, u, b) in itertools.pairwise(sglang):
+        key = tuple(b[n] for n, _ in LAGGED)
+        if key == tuple(a[n] for n, _ in LAGGED):
+            continue
+        reports += 1
+        lag, last_change = max(lag, u - last_change), u
+        lo, hi = s0 - slack, u + slack
+        if not any(k == key and first <= hi and last >= lo for k, first, last in states):
+            near = [(k, round(f - s0, 2), round(e - s0, 2)) for k, f, e in states if k == key]
+            bad.append(f"SGLang {key} between {s0:.2f} and {u:.2f}: kvsidecar's at {near}")
+    return bad, reports, lag
