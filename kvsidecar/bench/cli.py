@@ -709,7 +709,8 @@ def vllm_cmd(quick: bool, out: str, parts: str, rounds: int | None) -> None:
     "--sglang",
     "with_sglang",
     is_flag=True,
-    help="Also the real SGLang server and its /health latency (needs its env, a checkout).",
+    help="Also the real SGLang server and its /health latency (needs its env, a checkout; "
+    "or the Python of an SGLang environment in KVSIDECAR_SGLANG_PYTHON).",
 )
 @click.option(
     "--engines-only",
