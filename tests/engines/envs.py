@@ -23,12 +23,15 @@ from kvsidecar.bench.engine_envs import wrong_checkout
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def engine_python(name: str) -> str:
-    """The Python of engine `name`'s environment, or skip (fail under CI) with the fix."""
+def engine_python(name: str, *, runs_checkout: bool = True) -> str:
+    """The Python of engine `name`'s environment, or skip (fail under CI) with the fix.
+    ``runs_checkout=False``: the caller runs none of kvsidecar's code in the engine, so the
+    environment may be bound to another checkout."""
     override = os.environ.get(f"KVSIDECAR_{name.upper()}_PYTHON")
     python = Path(override) if override else ROOT / ".engine-envs" / name / "bin" / "python"
     if python.exists():
-        if (problem := wrong_checkout(name, python, ROOT)) is not None:
+        problem = wrong_checkout(name, python, ROOT) if runs_checkout else None
+        if problem is not None:
             pytest.fail(problem)  # running another checkout's code would test the wrong thing
         return str(python)
     reason = f"no {name} environment at {python}: build it with `bash .ci/engine-env {name}`"
