@@ -291,6 +291,24 @@ HOLD_ON_ERROR = _s(
     DAEMON,
     flag="--hold-on-error",
 )
+WEB_SYSTEMD_SOCKET = _s(
+    "WEB_SYSTEMD_SOCKET",
+    "bool",
+    False,
+    "serve the listening sockets systemd passes (socket activation: `LISTEN_FDS`, "
+    "`LISTEN_PID`) instead of binding `--web.listen-address`",
+    DAEMON,
+    flag="--web.systemd-socket",
+)
+ALLOW_ROOT = _s(
+    "ALLOW_ROOT",
+    "bool",
+    False,
+    "root is intended: no start-up warning when the daemon runs as root (it needs only "
+    "read access to the segments)",
+    DAEMON,
+    flag="--allow-root",
+)
 WEB_DISABLE_EXPORTER_METRICS = _s(
     "WEB_DISABLE_EXPORTER_METRICS",
     "bool",
