@@ -107,8 +107,9 @@ INSTANCE = _s(
     "INSTANCE",
     "str",
     None,
-    "the id a daemon sums DP ranks within (default: PID namespace and process group), e.g. "
-    "`$POD_NAME`",
+    "the id a daemon sums DP ranks within, label `engine_instance` (default: the host name, "
+    "the Pod's under Kubernetes: stable across engine restarts); set it per engine when two "
+    "with the same engine, model and role share a directory",
     AGENT,
 )
 GROUP = _s(
