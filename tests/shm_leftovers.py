@@ -6,8 +6,9 @@ shutdown, so an engine the tests SIGKILL (or that a SIGTERM does not stop in tim
 them on the developer's tmpfs for good: 420 MB per `.ci/run`. No engine names its files
 after its pid, so what was left is found by difference: the entries of /dev/shm that are
 new since a snapshot taken before the engine started, are regular files owned by us, and
-that no live process maps or holds open. A file still held is not ours to judge (another
-test run, another engine on the host), so it stays, with a warning if it looks like ours.
+that no live process maps or holds open. A file still held stays: with a warning when the
+holder is a process of this test run (a survivor of the kill), silently when it is another
+run's engine on the host.
 """
 
 from __future__ import annotations
@@ -86,6 +87,8 @@ def remove_leftovers(before: set[str], what: str, root: Path = SHM) -> list[str]
             continue
         if str(path) in held:
             pid = held[str(path)]
+            if not _of_this_run(pid):
+                continue  # another test run's (or anyone's) live engine on this host
             warnings.warn(
                 f"{what} left {path} ({st.st_size} bytes), still held by pid {pid} "
                 f"({_command(pid)}): not removed",
@@ -104,6 +107,22 @@ def remove_leftovers(before: set[str], what: str, root: Path = SHM) -> list[str]
             continue
         removed.append(name)
     return removed
+
+
+# Inherited by every process this run starts (engines included; spawners that drop the
+# KVSIDECAR_* variables keep it): a live holder that carries it is ours, one that does not
+# belongs to another run on the host and is no reason to warn. A child pytest keeps its
+# parent's token, so its engines count as the parent run's too.
+RUN_TOKEN = "KVS_TEST_SHM_SWEEP"
+os.environ.setdefault(RUN_TOKEN, str(os.getpid()))
+
+
+def _of_this_run(pid: int) -> bool:
+    try:
+        environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    except OSError:
+        return False  # gone, or another user's
+    return f"{RUN_TOKEN}={os.environ[RUN_TOKEN]}".encode() in environ
 
 
 def _command(pid: int) -> str:

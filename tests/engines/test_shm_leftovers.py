@@ -21,6 +21,7 @@ from kvsidecar.bench import vllm as vb
 from tests.conftest import REPO
 from tests.engines.envs import engine_python, vllm_server_env
 from tests.shm_leftovers import (
+    RUN_TOKEN,
     SHM,
     ShmLeftoverWarning,
     held_paths,
@@ -49,10 +50,10 @@ time.sleep(3600)
 """
 
 
-def start_standin() -> tuple[subprocess.Popen, list[str]]:
+def start_standin(env: dict[str, str] | None = None) -> tuple[subprocess.Popen, list[str]]:
     proc = subprocess.Popen(
         [sys.executable, "-c", STANDIN], stdout=subprocess.PIPE, text=True,
-        start_new_session=True,
+        start_new_session=True, env=env,
     )  # fmt: skip
     assert proc.stdout is not None
     names = proc.stdout.readline().split()
@@ -92,6 +93,24 @@ def test_what_a_killed_engine_group_left_is_removed_and_nothing_else():
         removed = remove_leftovers(before, "stand-in")
     assert set(names) <= set(removed), removed
     assert not any(os.path.exists(p) for p in paths)
+
+
+def test_another_runs_live_engine_is_left_alone_without_a_warning():
+    """Another test run's (another clone's) engine on the host creates its files meanwhile:
+    they are held by a process without this run's token, so no warning and no removal."""
+    before = snapshot()
+    other = {k: v for k, v in os.environ.items() if k != RUN_TOKEN}
+    proc, names = start_standin(env=other)
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ShmLeftoverWarning)
+            removed = remove_leftovers(before, "nothing of ours")
+        assert not set(removed) & set(names)
+        assert all((SHM / n).exists() for n in names)
+    finally:
+        kill_group(proc)
+    wait_unheld([str(SHM / n) for n in names])
+    remove_leftovers(before, "the other run, once dead")
 
 
 def test_files_that_were_there_or_are_not_ours_stay(tmp_path):
