@@ -64,7 +64,10 @@ bench-quick: $(STAMP)
 dist: $(STAMP)
 	rm -rf dist
 	git rev-parse --short=12 HEAD > kvsidecar/REVISION 2>/dev/null || echo unknown > kvsidecar/REVISION
-	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir dist .; rc=$$?; rm -f kvsidecar/REVISION; exit $$rc
+	TZ=UTC git log -1 --date=format-local:%Y%m%d-%H:%M:%S --format=%cd > kvsidecar/BUILD_DATE 2>/dev/null \
+		|| echo unknown > kvsidecar/BUILD_DATE
+	$(BIN)/python -m build --no-isolation --sdist --wheel --outdir dist .; rc=$$?; \
+		rm -f kvsidecar/REVISION kvsidecar/BUILD_DATE; exit $$rc
 
 clean:
 	rm -rf $(VENV) build dist *.egg-info kvsidecar/protocol/*.so bench-results

@@ -29,9 +29,9 @@ variables (``KVSIDECAR_ENGINE``, ``_MODEL_NAME``, ``_ROLE``, ``_DP_RANK``,
 ``_DP_SIZE``, ``_TP_RANK``, ``_TP_SIZE``, ``_PP_RANK``, ``_PP_SIZE``,
 ``_SHM_DIR``, ``_SEGMENT``, ``_GROUP``, ``_INSTANCE``, ``_DISABLE=1``); otherwise
 defaults. ``instance`` (the id a daemon sums DP ranks within) defaults to the
-PID namespace and process group, which the ranks of one engine launched by one
-launcher share and two separately started engines do not; set it when yours
-differ (e.g. ``KVSIDECAR_INSTANCE=$POD_NAME``).
+host name (the Pod's under Kubernetes), the same across engine restarts; set it
+when two engines with the same engine, model and role publish to one directory
+(e.g. ``KVSIDECAR_INSTANCE=engine-a``).
 """
 
 from __future__ import annotations
@@ -41,6 +41,7 @@ import hashlib
 import logging
 import operator
 import os
+import socket
 import stat
 import time
 import weakref
@@ -132,14 +133,14 @@ def _label(value: object) -> str:
 
 
 def _default_instance() -> str:
-    """PID namespace + process group: shared by the ranks one launcher starts (vLLM's engine
-    cores, torchrun's ranks), distinct for engines started separately (shell jobs, systemd
-    units, containers)."""
-    try:
-        ns = os.stat("/proc/self/ns/pid").st_ino
-    except OSError:
-        ns = 0
-    return f"{ns:x}.{os.getpgrp()}"
+    """The host name: the Pod's name under Kubernetes, the machine's elsewhere. Stable
+    across restarts of the engine, so its `kvsidecar_dp_*{engine_instance}` series continue
+    rather than new ones being minted at each restart (issue 33 item 6: the former default,
+    PID namespace + process group, changed every time). Every rank one daemon sees on a
+    host is then one instance per engine/model/role, whoever launched it; two look-alike
+    engines there are told apart by KVSIDECAR_INSTANCE (until then a dp_rank claimed twice
+    gives no DP sum, never a wrong one)."""
+    return socket.gethostname()
 
 
 def _setting(value, env: Mapping[str, str], setting: settings.Setting, default=None, cast=_text):

@@ -107,8 +107,9 @@ INSTANCE = _s(
     "INSTANCE",
     "str",
     None,
-    "the id a daemon sums DP ranks within (default: PID namespace and process group), e.g. "
-    "`$POD_NAME`",
+    "the id a daemon sums DP ranks within, label `engine_instance` (default: the host name, "
+    "the Pod's under Kubernetes: stable across engine restarts); set it per engine when two "
+    "with the same engine, model and role share a directory",
     AGENT,
 )
 GROUP = _s(
@@ -290,6 +291,24 @@ HOLD_ON_ERROR = _s(
     "back-off (1 s to 60 s; at once on SIGHUP)",
     DAEMON,
     flag="--hold-on-error",
+)
+WEB_SYSTEMD_SOCKET = _s(
+    "WEB_SYSTEMD_SOCKET",
+    "bool",
+    False,
+    "serve the listening sockets systemd passes (socket activation: `LISTEN_FDS`, "
+    "`LISTEN_PID`) instead of binding `--web.listen-address`",
+    DAEMON,
+    flag="--web.systemd-socket",
+)
+ALLOW_ROOT = _s(
+    "ALLOW_ROOT",
+    "bool",
+    False,
+    "root is intended: no start-up warning when the daemon runs as root (it needs only "
+    "read access to the segments)",
+    DAEMON,
+    flag="--allow-root",
 )
 WEB_DISABLE_EXPORTER_METRICS = _s(
     "WEB_DISABLE_EXPORTER_METRICS",

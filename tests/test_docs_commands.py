@@ -33,7 +33,7 @@ VENV_BIN = Path(sys.executable).parent
 EXTERNAL = {
     "systemctl", "systemd-tmpfiles", "useradd", "install", "ln", "echo", "id", "ls", "curl",
     "grep", "docker", "kubectl", "journalctl", "df", "getent", "cut", "promtool", "eval",
-    "mkdir",
+    "mkdir", "man",
 }  # fmt: skip
 # A command starting with one of these must not be used: kvsidecar is on no index, and
 # the system Python has no kvsidecar.
@@ -130,6 +130,11 @@ def check_cli(args: list[str]) -> None:
         sub = cmd.commands.get(args[0])
         assert sub is not None, f"no command {name} {args[0]}"
         cmd, name, args = sub, f"{name} {args[0]}", args[1:]
+    if "--help-man" in args:  # cheap: run it, as a man page reader would get it
+        path = name.split()[1:]
+        r = _run([str(VENV_BIN / "kvsidecar"), *path, "--help-man"])
+        assert r.returncode == 0 and r.stdout.startswith(".TH "), (name, r.stderr)
+        return
     if "--help" in args or "--version" in args or isinstance(cmd, click.Group):
         return
     cmd.make_context(name, list(args))  # raises UsageError on a bad option or value
@@ -304,7 +309,14 @@ def test_make_dist_builds_an_installable_wheel_and_sdist(tmp_path: Path) -> None
         ["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, cwd=REPO
     ).stdout.strip()
     assert f"(revision {head})" in r.stdout, r.stdout
-    assert not (Path(REPO) / "kvsidecar" / "REVISION").exists(), "make dist leaves no file"
+    # And its build date (the commit's, as --version in the checkout says it).
+    date = subprocess.run(
+        ["git", "log", "-1", "--date=format-local:%Y%m%d-%H:%M:%S", "--format=%cd"],
+        capture_output=True, text=True, cwd=REPO, env={**os.environ, "TZ": "UTC"},
+    ).stdout.strip()  # fmt: skip
+    assert f"build date:       {date}\n" in r.stdout, r.stdout
+    for product in ("REVISION", "BUILD_DATE"):
+        assert not (Path(REPO) / "kvsidecar" / product).exists(), "make dist leaves no file"
     assert (target / "kvsidecar" / "agent" / "__init__.py").exists()
     assert list((target / "kvsidecar" / "protocol").glob("_seqlock*.so"))
     import tarfile

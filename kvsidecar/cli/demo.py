@@ -418,7 +418,9 @@ def demo(
         shm_dir = tempfile.mkdtemp(prefix="kvsidecar-demo-", dir=base)
 
     serve = argv(
-        ["kvsidecar", "serve", "--shm-dir", shm_dir],
+        # --allow-root: the demo's daemon reads the demo's own private directory; whoever
+        # runs the try-out as root (a container) chose to, and needs no warning about it.
+        ["kvsidecar", "serve", "--shm-dir", shm_dir, "--allow-root"],
         [("--web.listen-address", a) for a in addresses],
         {
             "--web.telemetry-path": telemetry_path,

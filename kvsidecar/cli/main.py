@@ -13,28 +13,30 @@ port in use). Shell completion: ``eval "$(_KVSIDECAR_COMPLETE=bash_source kvside
 
 from __future__ import annotations
 
+import sys
+
 import click
 
+from kvsidecar.cli.options import print_and_exit
 
-def _print_version(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
-    """``kvsidecar, version 0.1.0 (revision <commit>)``; git is asked only when asked."""
-    if not value or ctx.resilient_parsing:
-        return
+
+def _version(ctx: click.Context) -> str:
+    """``kvsidecar, version 0.1.0 (revision <commit>)`` and the build date below it, as
+    Prometheus's exporters print them; git is asked only when asked."""
+    import platform
+
     from kvsidecar import __version__
-    from kvsidecar.revision import revision
+    from kvsidecar.revision import build_date, revision
 
-    click.echo(f"{ctx.find_root().info_name}, version {__version__} (revision {revision()})")
-    ctx.exit()
+    return (
+        f"{ctx.find_root().info_name}, version {__version__} (revision {revision()})\n"
+        f"  build date:       {build_date()}\n"
+        f"  python version:   {platform.python_version()}\n"
+        f"  platform:         {sys.platform}/{platform.machine()}\n"
+    )
 
 
-_VERSION = click.option(
-    "--version",
-    is_flag=True,
-    expose_value=False,
-    is_eager=True,
-    callback=_print_version,
-    help="Show the version and exit.",
-)
+_VERSION = print_and_exit("--version", _version, help="Show the version and exit.")
 
 
 @click.group(context_settings={"help_option_names": ["-h", "--help"]})
@@ -44,9 +46,13 @@ def main() -> None:
 
 
 def _conventions(cmd: click.Command) -> None:
-    """--version on every (sub)command, and the env twin of each option in its --help."""
-    if not any("--version" in getattr(p, "opts", ()) for p in cmd.params):
-        cmd.params.extend(_VERSION(lambda: None).__click_params__)  # type: ignore[attr-defined]
+    """--version and --help-man on every (sub)command, and the env twin of each option in
+    its --help."""
+    from kvsidecar.cli.manpage import HELP_MAN
+
+    for flag, option in (("--version", _VERSION), ("--help-man", HELP_MAN)):
+        if not any(flag in getattr(p, "opts", ()) for p in cmd.params):
+            cmd.params.extend(option(lambda: None).__click_params__)  # type: ignore[attr-defined]
     for p in cmd.params:
         if isinstance(p, click.Option) and p.envvar:
             p.show_envvar = True

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
@@ -31,6 +31,19 @@ def printable(text: object, style: str = "backslash") -> str:
     if style == "angle":
         return _CONTROL.sub(lambda m: f"<{ord(m.group()):#04x}>", s)
     return _CONTROL.sub(lambda m: repr(m.group())[1:-1], s)
+
+
+def print_and_exit(flag: str, text: Callable[[click.Context], str], **kw: Any) -> Any:
+    """An eager flag that prints ``text(ctx)`` and exits before anything else is parsed or
+    checked (``--version``, ``--help-man``): it works whatever else is on the line."""
+
+    def callback(ctx: click.Context, _param: click.Parameter, value: bool) -> None:
+        if value and not ctx.resilient_parsing:
+            click.echo(text(ctx), nl=False)
+            ctx.exit()
+
+    return click.option(flag, is_flag=True, expose_value=False, is_eager=True,
+                        callback=callback, **kw)  # fmt: skip
 
 
 def shm_dir_option(f: Any) -> Any:
@@ -79,19 +92,27 @@ def allowed_uids(allow_uids: Iterable[int], allow_any_uid: bool) -> frozenset[in
     return None if allow_any_uid else frozenset({os.getuid(), *allow_uids})
 
 
-def require_dir(shm_dir: str) -> None:
-    """Exit with a usage error naming the option when the segment directory is missing
-    (otherwise the command would report 'no segments', which sends you looking elsewhere).
+def dir_problem(shm_dir: str) -> str | None:
+    """Why the segment directory is unusable, naming the option, or None. A missing
+    directory is an error (otherwise the command would report 'no segments', which sends
+    you looking elsewhere).
 
     The default directory is the exception: the agent creates it (private, 0750) when the
     first engine starts, so its absence means "no segment yet", not a wrong option."""
     if shm_dir == DEFAULT_SHM_DIR and not os.path.lexists(shm_dir):
-        return
-    if not os.path.isdir(shm_dir):
-        what = "does not exist" if not os.path.exists(shm_dir) else "is not a directory"
-        click.echo(
-            f"kvsidecar: --shm-dir {printable(shm_dir)} {what}: create it or point "
-            f"--shm-dir/{settings.SHM_DIR.name} at the agent's segment directory",
-            err=True,
-        )
+        return None
+    if os.path.isdir(shm_dir):
+        return None
+    what = "does not exist" if not os.path.exists(shm_dir) else "is not a directory"
+    return (
+        f"--shm-dir {printable(shm_dir)} {what}: create it or point "
+        f"--shm-dir/{settings.SHM_DIR.name} at the agent's segment directory"
+    )
+
+
+def require_dir(shm_dir: str) -> None:
+    """Exit with a usage error (`dir_problem`'s message) when the segment directory is
+    unusable: for the commands that print to a terminal (dump, ls); serve logs it."""
+    if (problem := dir_problem(shm_dir)) is not None:
+        click.echo(f"kvsidecar: {problem}", err=True)
         raise SystemExit(EXIT_USAGE)

@@ -15,9 +15,9 @@ from kvsidecar import __version__, settings
 from kvsidecar.cli.options import (
     EXIT_USAGE,
     allowed_uids,
+    dir_problem,
     prefix_option,
     printable,
-    require_dir,
     shm_dir_option,
     trust_options,
 )
@@ -112,6 +112,16 @@ def _telemetry_path(value: str) -> str:
     show_default=True,
     help=f"Address to listen on (repeatable), e.g. {DEFAULT_LISTEN}, "
     f"127.0.0.1{DEFAULT_LISTEN}, [::1]{DEFAULT_LISTEN}.",
+)
+@click.option(
+    "--web.systemd-socket",
+    "systemd_socket",
+    is_flag=True,
+    envvar=settings.WEB_SYSTEMD_SOCKET.name,
+    help=(
+        "Serve the listening sockets systemd passes (socket activation) instead of binding "
+        "--web.listen-address."
+    ),
 )
 @click.option(
     "--web.config.file",
@@ -211,6 +221,12 @@ def _telemetry_path(value: str) -> str:
     ),
 )
 @click.option(
+    "--allow-root",
+    is_flag=True,
+    envvar=settings.ALLOW_ROOT.name,
+    help="Root is intended: do not warn at start-up when running as root.",
+)
+@click.option(
     "--web.disable-exporter-metrics",
     "disable_exporter_metrics",
     is_flag=True,
@@ -299,6 +315,7 @@ def serve(
     stale_after: float,
     rediscover_interval: float,
     listen_addresses: tuple[str, ...],
+    systemd_socket: bool,
     web_config_file: str | None,
     telemetry_path: str,
     max_requests: int,
@@ -311,6 +328,7 @@ def serve(
     allow_any_uid: bool,
     ready_requires_source: bool,
     hold_on_error: bool,
+    allow_root: bool,
     disable_exporter_metrics: bool,
     max_targets: int,
     max_pools_per_rank: int,
@@ -360,12 +378,24 @@ def serve(
     signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)
     # A missing default directory only means no engine has started yet (the agent creates
     # it): serve and wait, as under systemd at boot. Any other missing directory is a typo.
-    try:
-        require_dir(shm_dir)
-    except SystemExit as e:
-        _exit(e.code if isinstance(e.code, int) else EXIT_USAGE, hold_on_error, stopping, hangups)
+    if (problem := dir_problem(shm_dir)) is not None:
+        _start_error(problem)
+        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
+    if not allow_root:
+        warn_if_root(log)
     # Env twins of repeatable flags are space-separated (click splits them).
     addresses = [a for item in listen_addresses for a in item.split()]
+    listen_sockets: list = []
+    if systemd_socket:
+        from kvsidecar.web.systemd_socket import SystemdSocketError
+        from kvsidecar.web.systemd_socket import listen_sockets as passed
+
+        try:
+            listen_sockets = passed()
+        except SystemdSocketError as e:
+            _start_error(str(e))
+            _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
+        addresses = []  # exporter-toolkit: the passed sockets replace the listen addresses
     try:
         web_config = load_web_config(web_config_file) if web_config_file else None
     except WebConfigError as e:
@@ -440,6 +470,7 @@ def serve(
             # A new engine's segment must still open when clients hold every connection.
             reserved_fds=max_targets * FDS_PER_SEGMENT,
             version=__version__,
+            listen_sockets=listen_sockets,
         )
         server.start()
     except (OSError, ValueError, WebConfigError) as e:
@@ -485,6 +516,20 @@ def serve(
     if daemon.otlp_pusher is not None:
         daemon.otlp_pusher.stop()
     targets.stop()
+
+
+def warn_if_root(log: logging.Logger) -> None:
+    """One warning line when serving as root (the exporter convention): the daemon only
+    reads the segments and serves HTTP, so root only widens what a bug in either could
+    reach. Root that is intended (a container whose user is root anyway, the tests) says
+    so with --allow-root / KVSIDECAR_ALLOW_ROOT."""
+    if os.geteuid() == 0:
+        log.warning(
+            "running as root: the daemon needs only read access to the segments (the "
+            "engine's group, docs/operations.md); run it as an unprivileged user, or pass "
+            "--allow-root (%s=1) if root is intended",
+            settings.ALLOW_ROOT.name,
+        )
 
 
 def _start_error(message: str) -> None:

@@ -814,7 +814,9 @@ def markdown() -> str:
         "",
         "Labels. Per-rank metrics carry `" + "`, `".join(RANK_LABELS) + "` (`model_name` and "
         "`engine` as vLLM names them); pool metrics add `pool` (pool_name) and `group` "
-        "(group_id). DP sums carry `" + "`, `".join(DP_LABELS) + "`. Source-health metrics "
+        "(group_id). DP sums carry `" + "`, `".join(DP_LABELS) + "` (the "
+        "agent's `KVSIDECAR_INSTANCE`, default the host name: the Pod's under Kubernetes, the "
+        "same across engine restarts). Source-health metrics "
         "carry `segment` plus the rank labels last seen.",
         "",
         "Freshness. A target that is stale, dead, corrupt or not ready exports only its "

@@ -803,9 +803,13 @@ class WebServer:
         reserved_fds: int = 0,
         connection_memory: int = CONNECTION_MEMORY,
         parked_memory: int = PARKED_MEMORY,
+        listen_sockets: Sequence[socket.socket] = (),
     ) -> None:
-        if not listen_addresses:
+        # listen_sockets: already listening (systemd's, web/systemd_socket.py), served
+        # instead of binding listen_addresses.
+        if not listen_addresses and not listen_sockets:
             raise ValueError("at least one listen address is required")
+        self._given = list(listen_sockets)
         self._listen = [(a, *parse_listen_address(a)) for a in listen_addresses]
         for path in routes:
             if not path.startswith("/") or path in PROBE_PATHS:
@@ -854,7 +858,8 @@ class WebServer:
         if self._thread is not None:
             raise RuntimeError("WebServer already started")
         try:
-            for text, host, port in self._listen:
+            self._sockets.extend(self._given)
+            for text, host, port in self._listen if not self._given else ():
                 try:
                     self._sockets.append(bind(host, port))
                 except OSError as e:

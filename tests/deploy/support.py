@@ -64,7 +64,7 @@ def serve_env_twins() -> tuple[set[str], bool]:
     names = set()
     for param in serve.params:
         flag = max(param.opts, key=len)
-        if flag in ("--help", "--version"):
+        if flag in ("--help", "--version", "--help-man"):
             continue
         assert param.envvar == env_twin(flag), (
             f"{flag}: env twin {param.envvar}, expected {env_twin(flag)}"

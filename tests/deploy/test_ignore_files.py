@@ -30,8 +30,9 @@ def test_each_containerfile_has_an_ignore_file(containerfile: Path) -> None:
     assert ignore.is_file(), f"{ignore.name} missing: the whole clone would be build context"
     patterns = _patterns(ignore)
     assert {".git", ".venv", ".engine-envs"} <= patterns
-    # Every local product .gitignore names, too (kvsidecar/REVISION is the build's input).
-    for entry in _patterns(ROOT / ".gitignore") - {"kvsidecar/REVISION"}:
+    # Every local product .gitignore names, too (kvsidecar/REVISION and BUILD_DATE are the
+    # build's input).
+    for entry in _patterns(ROOT / ".gitignore") - {"kvsidecar/REVISION", "kvsidecar/BUILD_DATE"}:
         anywhere = "/" not in entry and ("*" in entry or entry == "__pycache__")
         wanted = f"**/{entry}" if anywhere else entry
         assert wanted in patterns or entry in patterns, f"{ignore.name} lacks {entry}"

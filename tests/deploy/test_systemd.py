@@ -150,3 +150,17 @@ def test_env_example_names_are_flag_twins() -> None:
     assert names, "no KVSIDECAR_* variables in the env example"
     assert names <= twins, f"unknown variables: {sorted(names - twins)}"
     assert twins <= names, f"flags without an example: {sorted(twins - names)}"
+
+
+def test_socket_unit_verifies_and_holds_the_default_port(runnable_unit: Path) -> None:
+    """kvsidecar.socket (socket activation, --web.systemd-socket): beside the service it
+    starts, it verifies cleanly and holds the port serve would bind."""
+    from kvsidecar.settings import DEFAULT_PORT
+
+    socket_unit = runnable_unit.with_name("kvsidecar.socket")
+    socket_unit.write_text((DEPLOY / "systemd" / "kvsidecar.socket").read_text())
+    rc, problems = verify_problems(socket_unit)
+    assert rc == 0 and not problems, "\n".join(problems) or f"verify exited {rc}"
+    sections = parse_unit(socket_unit.read_text())
+    assert sections["Socket"]["ListenStream"] == [str(DEFAULT_PORT)]
+    assert sections["Install"]["WantedBy"] == ["sockets.target"]

@@ -1,13 +1,15 @@
 """Where the engines' own environments are, for tests that run real engine code.
 
 `.ci/engine-env NAME` builds NAME's environment from `.ci/locks/NAME.txt` and links it at
-`.engine-envs/NAME`. Without it a test skips with the command that builds it; with
+`.engine-envs/NAME`; run through that link it imports this clone's kvsidecar (the shim of
+kvsidecar/bench/engine_envs.py). Without it a test skips with the command that builds it; with
 ``KVSIDECAR_REQUIRE_ENGINES=1`` (set by `.ci/run`) a missing environment fails instead,
 so CI can never pass by skipping them.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import shutil
@@ -23,12 +25,22 @@ from kvsidecar.bench.engine_envs import wrong_checkout
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def engine_python(name: str) -> str:
-    """The Python of engine `name`'s environment, or skip (fail under CI) with the fix."""
+@functools.cache
+def _wrong_checkout(name: str, python: Path) -> str | None:
+    """Asked once per session: it starts the environment's Python (kvsidecar/bench/
+    engine_envs.py: which kvsidecar it imports)."""
+    return wrong_checkout(name, python, ROOT)
+
+
+def engine_python(name: str, *, runs_checkout: bool = True) -> str:
+    """The Python of engine `name`'s environment, or skip (fail under CI) with the fix.
+    ``runs_checkout=False``: the caller runs none of kvsidecar's code in the engine, so the
+    environment may be bound to another checkout."""
     override = os.environ.get(f"KVSIDECAR_{name.upper()}_PYTHON")
     python = Path(override) if override else ROOT / ".engine-envs" / name / "bin" / "python"
     if python.exists():
-        if (problem := wrong_checkout(name, python, ROOT)) is not None:
+        problem = _wrong_checkout(name, python) if runs_checkout else None
+        if problem is not None:
             pytest.fail(problem)  # running another checkout's code would test the wrong thing
         return str(python)
     reason = f"no {name} environment at {python}: build it with `bash .ci/engine-env {name}`"
