@@ -10,6 +10,7 @@ PYTHONPATH overrides the link, and `wrong_checkout` tells them apart.
 from __future__ import annotations
 
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -114,5 +115,48 @@ def test_engine_env_never_touches_environments_of_other_clones():
     updated; the new ones are <name>-shim-<key> and only those are pruned."""
     script = (Path(REPO) / ".ci" / "engine-env").read_text()
     assert "env=$root/$name-shim-$key" in script
-    assert '-name "$name-shim-*" ! -name "$name-shim-$key"' in script
+    assert 'for old in "$root/$name"-shim-*; do' in script
     assert " -e ." not in script, "an editable install binds the shared env to one clone"
+
+
+def standin_checkout(root: Path) -> Path:
+    """The parts of a checkout `.ci/engine-env` uses, with an empty lock `t`."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(Path(REPO) / "kvsidecar", root / "kvsidecar", ignore=ignore)
+    shutil.copytree(Path(REPO) / "agent", root / "agent", ignore=ignore)
+    (root / ".ci" / "locks").mkdir(parents=True)
+    shutil.copy(Path(REPO) / ".ci" / "engine-env", root / ".ci" / "engine-env")
+    for name in ("pyproject.toml", "setup.py"):
+        shutil.copy(Path(REPO) / name, root / name)
+    (root / ".ci" / "locks" / "t.txt").write_text("# nothing beyond the shim\n")
+    return root
+
+
+def test_two_clones_building_one_environment_at_once_both_get_it_whole(tmp_path: Path):
+    """Two CI runs (or a developer and CI) on one host build the same environment at once:
+    the later one waits for the first and reuses it. Before the build lock, the second
+    build's `rm -rf` removed the first one's half-built tree (seen: bin/pip missing)."""
+    envs = tmp_path / "envs"
+    clones = [standin_checkout(tmp_path / f"clone{i}") for i in range(2)]
+    env = {**os.environ, "KVSIDECAR_ENGINE_ENVS": str(envs), "PYTHON": sys.executable}
+    env.pop("PYTHONPATH", None)
+    command = ["bash", ".ci/engine-env", "t"]
+    procs = [
+        subprocess.Popen(
+            command, cwd=c, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.STDOUT
+        )
+        for c in clones
+    ]
+    outs = [p.communicate(timeout=600)[0] for p in procs]
+    assert [p.returncode for p in procs] == [0, 0], outs
+    assert sum("building t environment" in o for o in outs) == 1, outs
+    (built,) = [d for d in envs.iterdir() if d.is_dir()]
+    assert (built / ".complete").is_file() and (built / "bin" / "pip").exists()
+    for c in clones:
+        r = subprocess.run(
+            [str(c / ".engine-envs" / "t" / "bin" / "python"), "-c",
+             "import kvsidecar, sys; print(kvsidecar.__file__)"],
+            capture_output=True, text=True, timeout=60, cwd=tmp_path,
+        )  # fmt: skip
+        assert r.returncode == 0, r.stderr[-2000:]
+        assert r.stdout.strip().startswith(str(c)), r.stdout
