@@ -67,6 +67,36 @@ def test_no_root_warning_for_another_user(shm_dir: str) -> None:
     assert not [r for r in records if ROOT_WARNING in r["msg"]], records
 
 
+@pytest.mark.parametrize(
+    "why, args",
+    [
+        ("web port in use", ("--web.listen-address", "127.0.0.1:{busy}")),
+        ("gateway port in use", ("--gateway.listen-address", "127.0.0.1:{busy}")),
+        ("bad web config", ("--web.config.file", "/nonexistent/web.yml")),
+        ("bad OTLP endpoint", ("--otlp.endpoint", "collector:4318")),
+    ],
+)
+def test_a_start_up_error_is_the_only_line_even_as_root(
+    shm_dir: str, why: str, args: tuple[str, ...]
+) -> None:
+    """The root warning comes only once serving is sure: before, as root (CI, a root
+    container), it came first and every start-up error was two lines, the fix in the second
+    (CI of 49b8c26: the OTLP one-line tests failed as root, as they would for a user)."""
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        argv = [a.format(busy=port) for a in args]
+        proc = subprocess.run(
+            [*KVSIDECAR, "serve", "--shm-dir", shm_dir, "--web.listen-address", "127.0.0.1:0",
+             "--log.format", "json", *argv],
+            env=_env(), capture_output=True, text=True, timeout=60,
+        )  # fmt: skip
+    assert proc.returncode == 2, (why, proc.stderr)
+    (line,) = proc.stderr.splitlines()
+    assert json.loads(line)["level"] == "error", line
+
+
 def test_missing_shm_dir_is_logged_in_the_log_format(tmp_path: Path) -> None:
     """Issue 33 item 2 routed the other start-up errors through the logger; the missing
     directory still printed a plain `kvsidecar: ...` line."""
@@ -76,7 +106,7 @@ def test_missing_shm_dir_is_logged_in_the_log_format(tmp_path: Path) -> None:
         env=_env(), capture_output=True, text=True, timeout=60,
     )  # fmt: skip
     assert proc.returncode == 2
-    (line,) = proc.stderr.splitlines()  # before the root warning: still one line
+    (line,) = proc.stderr.splitlines()  # no root warning before it: still one line
     record = json.loads(line)
     assert record["level"] == "error" and "does not exist" in record["msg"], record
     assert "--shm-dir" in record["msg"]

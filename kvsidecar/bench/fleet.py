@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import multiprocessing as mp
 import os
+import random
 import shutil
 import signal
 import socket
@@ -19,7 +20,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import Any
 
 from kvsidecar import settings
@@ -52,6 +53,28 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def free_port_run(count: int = 1, taken: Iterable[int] = ()) -> int:
+    """The first of ``count`` consecutive free loopback ports, none in ``taken``, all below
+    the kernel's ephemeral range: `free_port` and every outgoing connection draw from that
+    range, so a port picked there for a later bind (a gateway's rank ports, base + dp_rank)
+    may by then be another daemon's listener or someone's connection."""
+    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
+        hi = min(int(f.read().split()[0]), 32768)
+    avoid, rng = set(taken), random.Random()
+    while True:
+        base = rng.randrange(20000, hi - count)
+        run = range(base, base + count)
+        if avoid.intersection(run):
+            continue
+        try:
+            for port in run:
+                with socket.socket() as sock:
+                    sock.bind(("127.0.0.1", port))
+        except OSError:
+            continue
+        return base
 
 
 @contextlib.contextmanager

@@ -381,8 +381,6 @@ def serve(
     if (problem := dir_problem(shm_dir)) is not None:
         _start_error(problem)
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-    if not allow_root:
-        warn_if_root(log)
     # Env twins of repeatable flags are space-separated (click splits them).
     addresses = [a for item in listen_addresses for a in item.split()]
     listen_sockets: list = []
@@ -485,6 +483,9 @@ def serve(
         if gateway is not None:
             gateway.shutdown()
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
+    # Warned once serving is sure: a start-up error stays the one line that names its fix.
+    if not allow_root:
+        warn_if_root(log)
     targets.poll_all()
     targets.start()
     if daemon.otlp_pusher is not None:

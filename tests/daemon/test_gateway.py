@@ -25,7 +25,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from kvsidecar.bench.fleet import free_port
+from kvsidecar.bench.fleet import free_port, free_port_run
 from kvsidecar.daemon import gateway_body as gb
 from kvsidecar.daemon.gateway import Gateway
 from kvsidecar.daemon.targets import TargetSet
@@ -126,8 +126,13 @@ def shm(tmp_path_factory):
     return str(d)
 
 
+# The most ranks a test here serves (its --gateway.ranks), each on base port + dp_rank.
+GATEWAY_PORTS = 4
+
+
 def daemon_with_gateway(shm: str, *extra: str) -> tuple[subprocess.Popen, str, int]:
-    port = free_port()
+    # every rank's port (base + dp_rank) must be free, not only the base
+    port = free_port_run(GATEWAY_PORTS)
     daemon, url = start_daemon(
         shm, "--poll-interval", "0.25", "--gateway.listen-address", f"127.0.0.1:{port}", *extra
     )

@@ -14,7 +14,7 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
 
-from kvsidecar.bench.fleet import free_port
+from kvsidecar.bench.fleet import free_port_run
 from tests.otlp_receiver import StalledReceiver, dead_port
 from tests.procs import start_daemon, wait_for
 
@@ -33,7 +33,7 @@ CHECKS = {"/metrics": "web", "/-/healthy": "web", "gateway /metrics": "gateway"}
 
 
 def _serve(shm_dir: str, *extra: str) -> tuple[subprocess.Popen, dict[str, str]]:
-    gateway = f"127.0.0.1:{free_port()}"
+    gateway = f"127.0.0.1:{free_port_run()}"
     proc, url = start_daemon(
         shm_dir, "--poll-interval", "0.1", "--gateway.listen-address", gateway, *extra
     )

@@ -437,7 +437,7 @@ def gateways(pair):
     started, urls = [], {}
     try:
         for role in ("prefill", "decode"):
-            port = fleet.free_port()
+            port = fleet.free_port_run()
             daemon, _ = fleet.start_daemon(
                 m.group(1), "--gateway.listen-address", f"127.0.0.1:{port}",
                 "--gateway.role", role,

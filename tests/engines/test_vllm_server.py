@@ -55,7 +55,7 @@ def stack(tmp_path_factory):
     startup_s = time.monotonic() - t0
     daemon = None
     try:
-        gateway_port = fleet.free_port()
+        gateway_port = fleet.free_port_run()
         daemon, url = fleet.start_daemon(
             str(shm),
             "--poll-interval",

@@ -19,6 +19,7 @@ from typing import Any
 import pytest
 import yaml
 
+from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
 from tests.deploy.support import find_tool
 from tests.engines.envs import ROOT
@@ -50,24 +51,14 @@ def load_proxy() -> Any:
 
 
 def _free_ports(count: int, consecutive: bool = False) -> list[int]:
-    """Free ports below the kernel's ephemeral range: vLLM binds its side channel a minute
-    after start, and an ephemeral port picked now may by then carry someone's connection."""
-    lo = 20000
-    with open("/proc/sys/net/ipv4/ip_local_port_range") as f:
-        hi = min(int(f.read().split()[0]), 32768)
-    rng = random.Random()
+    """Free ports below the kernel's ephemeral range (`fleet.free_port_run`): vLLM binds its
+    side channel a minute after start, and an ephemeral port picked now may by then carry
+    someone's connection."""
     out: list[int] = []
-    while len(out) < count:
-        base = rng.randrange(lo, hi - 2)
-        want = [base, base + 1] if consecutive else [base]
-        try:
-            for port in want:
-                with socket.socket() as sock:
-                    sock.bind(("127.0.0.1", port))
-        except OSError:
-            continue
-        if not set(want) & set(out):
-            out.append(base)
+    width = 2 if consecutive else 1
+    for _ in range(count):
+        base = fleet.free_port_run(width, taken=[p + i for p in out for i in range(width)])
+        out.append(base)
     return out
 
 
