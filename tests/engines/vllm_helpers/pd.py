@@ -6,10 +6,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-import random
 import re
 import signal
-import socket
 import subprocess
 import threading
 import time
