@@ -64,6 +64,10 @@ PARKED_MEMORY = 4 << 20  # 4,096 parked connections at most
 FRESH_GRACE_S = 1.0  # a new connection's time to send its head before it is evictable
 ACCEPT_BATCH = 64  # accepted per wake-up: the parked connections' events take turns
 HELLO_MEMORY = 4096  # recent ClientHello randoms: a repeat is a replay, closed before crypto
+# Addresses whose clients completed a TLS handshake lately (at most this many, and within
+# `SHOOK_S`): their hellos are handed to the front first (see `Gate.shook`).
+SHOOK_MEMORY = 1024
+SHOOK_S = 300.0
 MAX_TLS_RECORD = 16384 + 2048
 _PLAIN = "text/plain; charset=utf-8"
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -179,6 +183,21 @@ class Gate:
         self.awaiting_ready: list[tuple[_Parked, bool, bool, float]] = []
         self.hellos: OrderedDict[bytes, None] = OrderedDict()
         self.adopted: collections.deque[tuple[socket.socket, str]] = collections.deque()
+        # TLS: complete ClientHellos waiting for the front are watched for their client
+        # hanging up (EPOLLRDHUP alone: their unread hello would keep a readable watch
+        # firing). A TLS client never shuts its side before its handshake is done, so a
+        # hang-up means nobody will read the server's flight: closed here, at no cost,
+        # instead of queueing a handshake for nobody.
+        self.hangups = select.epoll() if tls else None
+        self.watched: dict[int, _Parked] = {}
+        # TLS: addresses whose clients completed a handshake lately (host -> when), told
+        # by the front (`shook`), and those of them with hellos queued, in their own round
+        # served before the others'. A hello's bytes cannot tell a kubelet from an
+        # attacker on the same node; what its address did can: clients that flood hellos
+        # and never finish (silent or gone) do not take turns from one that finishes.
+        self.shook_hosts: OrderedDict[str, float] = OrderedDict()
+        self.shook_news: collections.deque[tuple[str, float]] = collections.deque()
+        self.ranked: OrderedDict[str, None] = OrderedDict()
         self.spare = _take_spare()
         self.closed = False
         self.parked_peak = 0
@@ -192,6 +211,8 @@ class Gate:
             sock.setblocking(False)
             self.sel.register(sock, selectors.EVENT_READ, self._accept)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
+        if self.hangups is not None:
+            self.sel.register(self.hangups.fileno(), selectors.EVENT_READ, self._hung_up_queued)
         self._thread.start()
 
     def stop(self) -> None:
@@ -231,6 +252,8 @@ class Gate:
                     key.data(key.fileobj)
                 while self.adopted:
                     self._admit(*self.adopted.popleft())
+                while self.shook_news:
+                    self._note_shook(*self.shook_news.popleft())
                 self._hand_queued(time.monotonic())
                 self._answer_ready(time.monotonic())
         except Exception:  # a bug: the front must not die silently
@@ -245,11 +268,13 @@ class Gate:
                     parked.sock.close()
             while self.adopted:
                 self.adopted.popleft()[0].close()
-            for key in list(self.sel.get_map().values()):
+            for key in list(self.sel.get_map().values()):  # the hang-up watch's fd included
                 self.sel.unregister(key.fileobj)
             self.sel.close()
             self._wake_r.close()
             self._wake_w.close()
+            if self.hangups is not None:
+                self.hangups.close()
             if self.spare >= 0:
                 os.close(self.spare)
                 self.spare = -1
@@ -353,10 +378,7 @@ class Gate:
         self.rejected()
         queue = self.queued.get(parked.host)
         if queue and queue[0] is parked:
-            queue.popleft()
-            self.queued_count -= 1
-            if not queue:
-                del self.queued[parked.host]
+            self._dequeue(parked, queue)
             parked.sock.close()
             return
         self._close(parked)
@@ -406,6 +428,9 @@ class Gate:
         length = int.from_bytes(data[3:5], "big")
         if data[0] == 0x16 and length <= MAX_TLS_RECORD and len(data) < 5 + length:
             return  # the ClientHello is not whole yet: stay parked, no OpenSSL state
+        if _shut_down(parked.sock):
+            self._close(parked)  # sent its hello and hung up: a handshake for nobody
+            return
         if not self._fresh_hello(data[: 5 + length]):
             self._close(parked)  # a replayed hello costs the attacker nothing, us a signature
             return
@@ -519,28 +544,81 @@ class Gate:
         self._unpark(parked)
         self.queued.setdefault(parked.host, collections.deque()).append(parked)
         self.queued_count += 1
+        if self.hangups is not None:
+            if self._ranked_host(parked.host, time.monotonic()):
+                self.ranked[parked.host] = None
+            fd = parked.sock.fileno()
+            self.hangups.register(fd, select.EPOLLRDHUP)  # EPOLLHUP and EPOLLERR implied
+            self.watched[fd] = parked
         self._hand_queued(time.monotonic())
+
+    def shook(self, host: str) -> None:
+        """A client from ``host`` completed a TLS handshake (front thread)."""
+        self.shook_news.append((host, time.monotonic()))
+        self._wake()
+
+    def _note_shook(self, host: str, when: float) -> None:
+        self.shook_hosts[host] = when
+        self.shook_hosts.move_to_end(host)
+        if len(self.shook_hosts) > SHOOK_MEMORY:
+            self.shook_hosts.popitem(last=False)
+        if host in self.queued:
+            self.ranked[host] = None
+
+    def _ranked_host(self, host: str, now: float) -> bool:
+        when = self.shook_hosts.get(host)
+        return when is not None and now - when < SHOOK_S
+
+    def _dequeue(self, parked: _Parked, queue: collections.deque[_Parked]) -> None:
+        """Take ``parked`` out of its address's ``queue`` (and out of the hang-up watch)."""
+        if queue[0] is parked:
+            queue.popleft()
+        elif queue[-1] is parked:
+            queue.pop()
+        else:
+            queue.remove(parked)
+        self.queued_count -= 1
+        if not queue:
+            del self.queued[parked.host]
+            self.ranked.pop(parked.host, None)
+        if self.hangups is not None and self.watched.pop(parked.sock.fileno(), None):
+            self.hangups.unregister(parked.sock.fileno())
+
+    def _hung_up_queued(self, _fd: int) -> None:
+        """TLS: clients of queued ClientHellos that hung up (see ``hangups``): closed."""
+        for fd, _ in self.hangups.poll(0, 256) if self.hangups is not None else ():
+            parked = self.watched.get(fd)
+            queue = self.queued.get(parked.host) if parked is not None else None
+            if parked is None or queue is None:
+                continue
+            self._dequeue(parked, queue)
+            parked.sock.close()
 
     def _hand_queued(self, now: float) -> None:
         if not self.queued:
             return
         if now >= self.queued_expiry:  # a scan of every address: a few times a second
             self.queued_expiry = now + 0.1
-            for host, queue in list(self.queued.items()):
+            for queue in list(self.queued.values()):
                 while queue and queue[0].deadline <= now:
                     self.rejected()
-                    queue.popleft().sock.close()  # waited its whole deadline for the front
-                    self.queued_count -= 1
-                if not queue:
-                    del self.queued[host]
+                    expired = queue[0]
+                    self._dequeue(expired, queue)  # waited its whole deadline for the front
+                    expired.sock.close()
         room = self.front_room() - (self.sent - self.taken)
         while self.queued and room > 0:
-            host, queue = next(iter(self.queued.items()))
-            parked = queue.popleft()
-            del self.queued[host]
+            # TLS: the round of addresses that completed handshakes lately goes first.
+            host = next(iter(self.ranked or self.queued))
+            queue = self.queued[host]
+            # TLS: the newest hello of the address first. Its client has the most of its
+            # timeout left (a kubelet's is 1 s); the oldest, whose clients likely gave up
+            # already, are the ones evicted at the cap and expired at their deadline.
+            parked = queue[-1] if self.tls else queue[0]
+            self._dequeue(parked, queue)
             if queue:
-                self.queued[host] = queue  # to the back of the round
-            self.queued_count -= 1
+                self.queued.move_to_end(host)  # to the back of the round
+                if host in self.ranked:
+                    self.ranked.move_to_end(host)
             self.sent += 1
             room -= 1
             self.hand_off(parked.sock)
