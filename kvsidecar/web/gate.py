@@ -170,6 +170,13 @@ class Gate:
         self.head_timeout_s = head_timeout_s
         self.max_parked = max(16, parked_memory // PARKED_BYTES)
         self.sel = selectors.DefaultSelector()
+        # Parked connections are watched edge-triggered, in an epoll of their own: their
+        # bytes stay unread (peeked), so a level-triggered watch reports every one of
+        # them on every wake-up, and the gate spun a core peeking 1,000 tricklers over
+        # and over. An edge comes with each new segment (and the FIN): a wake-up per byte
+        # a trickler sends, none for the bytes it sent before.
+        self.parked_ep = select.epoll()
+        self.parked_fds: dict[int, socket.socket] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -211,6 +218,7 @@ class Gate:
             sock.setblocking(False)
             self.sel.register(sock, selectors.EVENT_READ, self._accept)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
+        self.sel.register(self.parked_ep.fileno(), selectors.EVENT_READ, self._parked_events)
         if self.hangups is not None:
             self.sel.register(self.hangups.fileno(), selectors.EVENT_READ, self._hung_up_queued)
         self._thread.start()
@@ -273,6 +281,7 @@ class Gate:
             self.sel.close()
             self._wake_r.close()
             self._wake_w.close()
+            self.parked_ep.close()
             if self.hangups is not None:
                 self.hangups.close()
             if self.spare >= 0:
@@ -335,7 +344,9 @@ class Gate:
         self.by_deadline[parked.sock] = parked
         self.by_progress[parked.sock] = None
         self.by_host.setdefault(parked.host, OrderedDict())[parked.sock] = None
-        self.sel.register(parked.sock, selectors.EVENT_READ, self._readable)
+        fd = parked.sock.fileno()
+        self.parked_ep.register(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET)
+        self.parked_fds[fd] = parked.sock  # bytes already there are reported once
 
     def _unpark(self, parked: _Parked) -> None:
         if self.by_deadline.pop(parked.sock, None) is not None:
@@ -344,7 +355,9 @@ class Gate:
             del mine[parked.sock]
             if not mine:
                 del self.by_host[parked.host]
-            self.sel.unregister(parked.sock)
+            fd = parked.sock.fileno()
+            del self.parked_fds[fd]
+            self.parked_ep.unregister(fd)
 
     def _close(self, parked: _Parked) -> None:
         self._unpark(parked)
@@ -402,6 +415,12 @@ class Gate:
         self._close(parked)
 
     # -- a parked connection spoke --
+
+    def _parked_events(self, _fd: int) -> None:
+        for fd, _ in self.parked_ep.poll(0, ACCEPT_BATCH * 4):
+            sock = self.parked_fds.get(fd)
+            if sock is not None:
+                self._readable(sock)
 
     def _readable(self, sock: socket.socket) -> None:
         parked = self.by_deadline.get(sock)
