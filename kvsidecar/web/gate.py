@@ -24,8 +24,13 @@ nothing is evicted. This gate does the same in one selector thread of its own:
   the front (renders, auth, slow readers) live on the other side of the gate, under
   the front's own cap: however many an attacker holds there, the gate and its probes
   are not behind them. With TLS the gate cannot read a head; it parks the connection
-  until its ClientHello is whole, refuses a replayed one before any crypto, and hands
-  it on.
+  until its ClientHello is whole, refuses a replayed one before any crypto, closes one
+  whose client hung up (also while it waits), and hands them on a few at a time as the
+  front has handshake places: newest of each address first, addresses whose clients
+  completed handshakes lately first.
+* Parked connections are watched edge-triggered (their bytes stay unread, so a
+  level-triggered watch would report each of them on every wake-up): the gate's work is
+  per segment received, not per parked connection.
 
 A complete head that is not a plain probe (a scrape, a request with credentials, a
 malformed one, anything TLS) goes to ``hand_off(sock)`` with its bytes still unread,
