@@ -96,6 +96,14 @@ def _auth_daemon(tmp: str) -> Iterator[tuple[Any, int]]:
         yield daemon, int(url.rsplit(":", 1)[1])
 
 
+def _wrong_password(k: int, n: int, connection: str = "") -> bytes:
+    """Attacker ``k``'s ``n``-th request, with a distinct wrong password."""
+    token = _basic("alice", f"wrong-{k}-{n}")
+    return (
+        f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {token}\r\n{connection}\r\n"
+    ).encode()
+
+
 def _wrong_passwords_kept_alive(port: int, k: int, stop: threading.Event) -> None:
     n = 0
     while not stop.is_set():
@@ -103,11 +111,7 @@ def _wrong_passwords_kept_alive(port: int, k: int, stop: threading.Event) -> Non
             with socket.create_connection(("127.0.0.1", port), 10, (_address(1, k), 0)) as s:
                 while not stop.is_set():
                     n += 1
-                    token = _basic("alice", f"wrong-{k}-{n}")
-                    s.sendall(
-                        f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {token}"
-                        "\r\n\r\n".encode()
-                    )
+                    s.sendall(_wrong_password(k, n))
                     if not s.recv(4096):
                         break
         except OSError:
@@ -118,13 +122,9 @@ def _wrong_passwords_reconnecting(port: int, k: int, stop: threading.Event) -> N
     n = 0
     while not stop.is_set():
         n += 1
-        token = _basic("alice", f"wrong-{k}-{n}")
         try:
             with socket.create_connection(("127.0.0.1", port), 10, (_address(3, k), 0)) as s:
-                s.sendall(
-                    f"GET /metrics HTTP/1.1\r\nHost: x\r\nAuthorization: Basic {token}\r\n"
-                    "Connection: close\r\n\r\n".encode()
-                )
+                s.sendall(_wrong_password(k, n, "Connection: close\r\n"))
                 s.recv(4096)
         except OSError:
             stop.wait(0.05)
@@ -193,12 +193,24 @@ def _measured(daemon: Any, run: Callable[[], dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def shape_busy(seconds: float, n: int = 420) -> dict[str, Any]:
+def _under_wrong_passwords(
+    n: int,
+    attacker: Callable[[int, int, threading.Event], None],
+    measure: Callable[[int], dict[str, Any]],
+) -> dict[str, Any]:
+    """``measure(port)`` of a daemon with basic auth on while ``n`` threads run
+    ``attacker(port, k, stop)`` (shapes 3 and 7)."""
     with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp:
         with _auth_daemon(tmp) as (daemon, port):
-            with _Threads(n, lambda k, stop: _wrong_passwords_kept_alive(port, k, stop)):
+            with _Threads(n, lambda k, stop: attacker(port, k, stop)):
                 time.sleep(2.0)
-                return _measured(daemon, lambda: _probes(port, seconds))
+                return _measured(daemon, lambda: measure(port))
+
+
+def shape_busy(seconds: float, n: int = 420) -> dict[str, Any]:
+    return _under_wrong_passwords(
+        n, _wrong_passwords_kept_alive, lambda port: _probes(port, seconds)
+    )
 
 
 def shape_slowreaders(seconds: float, n: int = 1200) -> dict[str, Any]:
@@ -238,11 +250,9 @@ def shape_trickle(seconds: float, n: int = 1000) -> dict[str, Any]:
 
 
 def shape_authflood(seconds: float, n: int = 64) -> dict[str, Any]:
-    with tempfile.TemporaryDirectory(prefix="kvsidecar-bench-") as tmp:
-        with _auth_daemon(tmp) as (daemon, port):
-            with _Threads(n, lambda k, stop: _wrong_passwords_reconnecting(port, k, stop)):
-                time.sleep(2.0)
-                return _measured(daemon, lambda: _logins(port, seconds))
+    return _under_wrong_passwords(
+        n, _wrong_passwords_reconnecting, lambda port: _logins(port, seconds)
+    )
 
 
 SHAPES: dict[str, Callable[[float], dict[str, Any]]] = {

@@ -24,8 +24,13 @@ nothing is evicted. This gate does the same in one selector thread of its own:
   the front (renders, auth, slow readers) live on the other side of the gate, under
   the front's own cap: however many an attacker holds there, the gate and its probes
   are not behind them. With TLS the gate cannot read a head; it parks the connection
-  until its ClientHello is whole, refuses a replayed one before any crypto, and hands
-  it on.
+  until its ClientHello is whole, refuses a replayed one before any crypto, closes one
+  whose client hung up (also while it waits), and hands them on a few at a time as the
+  front has handshake places: newest of each address first, addresses whose clients
+  completed handshakes lately first.
+* Parked connections are watched edge-triggered (their bytes stay unread, so a
+  level-triggered watch would report each of them on every wake-up): the gate's work is
+  per segment received, not per parked connection.
 
 A complete head that is not a plain probe (a scrape, a request with credentials, a
 malformed one, anything TLS) goes to ``hand_off(sock)`` with its bytes still unread,
@@ -64,6 +69,10 @@ PARKED_MEMORY = 4 << 20  # 4,096 parked connections at most
 FRESH_GRACE_S = 1.0  # a new connection's time to send its head before it is evictable
 ACCEPT_BATCH = 64  # accepted per wake-up: the parked connections' events take turns
 HELLO_MEMORY = 4096  # recent ClientHello randoms: a repeat is a replay, closed before crypto
+# Addresses whose clients completed a TLS handshake lately (at most this many, and within
+# `SHOOK_S`): their hellos are handed to the front first (see `Gate.shook`).
+SHOOK_MEMORY = 1024
+SHOOK_S = 300.0
 MAX_TLS_RECORD = 16384 + 2048
 _PLAIN = "text/plain; charset=utf-8"
 _EXHAUSTED = frozenset({errno.EMFILE, errno.ENFILE, errno.ENOBUFS, errno.ENOMEM})
@@ -166,6 +175,13 @@ class Gate:
         self.head_timeout_s = head_timeout_s
         self.max_parked = max(16, parked_memory // PARKED_BYTES)
         self.sel = selectors.DefaultSelector()
+        # Parked connections are watched edge-triggered, in an epoll of their own: their
+        # bytes stay unread (peeked), so a level-triggered watch reports every one of
+        # them on every wake-up, and the gate spun a core peeking 1,000 tricklers over
+        # and over. An edge comes with each new segment (and the FIN): a wake-up per byte
+        # a trickler sends, none for the bytes it sent before.
+        self.parked_ep = select.epoll()
+        self.parked_fds: dict[int, socket.socket] = {}
         self._wake_r, self._wake_w = socket.socketpair()
         self._wake_r.setblocking(False)
         self._wake_w.setblocking(False)
@@ -179,6 +195,21 @@ class Gate:
         self.awaiting_ready: list[tuple[_Parked, bool, bool, float]] = []
         self.hellos: OrderedDict[bytes, None] = OrderedDict()
         self.adopted: collections.deque[tuple[socket.socket, str]] = collections.deque()
+        # TLS: complete ClientHellos waiting for the front are watched for their client
+        # hanging up (EPOLLRDHUP alone: their unread hello would keep a readable watch
+        # firing). A TLS client never shuts its side before its handshake is done, so a
+        # hang-up means nobody will read the server's flight: closed here, at no cost,
+        # instead of queueing a handshake for nobody.
+        self.hangups = select.epoll() if tls else None
+        self.watched: dict[int, _Parked] = {}
+        # TLS: addresses whose clients completed a handshake lately (host -> when), told
+        # by the front (`shook`), and those of them with hellos queued, in their own round
+        # served before the others'. A hello's bytes cannot tell a kubelet from an
+        # attacker on the same node; what its address did can: clients that flood hellos
+        # and never finish (silent or gone) do not take turns from one that finishes.
+        self.shook_hosts: OrderedDict[str, float] = OrderedDict()
+        self.shook_news: collections.deque[tuple[str, float]] = collections.deque()
+        self.ranked: OrderedDict[str, None] = OrderedDict()
         self.spare = _take_spare()
         self.closed = False
         self.parked_peak = 0
@@ -192,6 +223,9 @@ class Gate:
             sock.setblocking(False)
             self.sel.register(sock, selectors.EVENT_READ, self._accept)
         self.sel.register(self._wake_r, selectors.EVENT_READ, self._drain_wake)
+        self.sel.register(self.parked_ep.fileno(), selectors.EVENT_READ, self._parked_events)
+        if self.hangups is not None:
+            self.sel.register(self.hangups.fileno(), selectors.EVENT_READ, self._hung_up_queued)
         self._thread.start()
 
     def stop(self) -> None:
@@ -231,6 +265,8 @@ class Gate:
                     key.data(key.fileobj)
                 while self.adopted:
                     self._admit(*self.adopted.popleft())
+                while self.shook_news:
+                    self._note_shook(*self.shook_news.popleft())
                 self._hand_queued(time.monotonic())
                 self._answer_ready(time.monotonic())
         except Exception:  # a bug: the front must not die silently
@@ -245,11 +281,14 @@ class Gate:
                     parked.sock.close()
             while self.adopted:
                 self.adopted.popleft()[0].close()
-            for key in list(self.sel.get_map().values()):
+            for key in list(self.sel.get_map().values()):  # the hang-up watch's fd included
                 self.sel.unregister(key.fileobj)
             self.sel.close()
             self._wake_r.close()
             self._wake_w.close()
+            self.parked_ep.close()
+            if self.hangups is not None:
+                self.hangups.close()
             if self.spare >= 0:
                 os.close(self.spare)
                 self.spare = -1
@@ -310,7 +349,9 @@ class Gate:
         self.by_deadline[parked.sock] = parked
         self.by_progress[parked.sock] = None
         self.by_host.setdefault(parked.host, OrderedDict())[parked.sock] = None
-        self.sel.register(parked.sock, selectors.EVENT_READ, self._readable)
+        fd = parked.sock.fileno()
+        self.parked_ep.register(fd, select.EPOLLIN | select.EPOLLRDHUP | select.EPOLLET)
+        self.parked_fds[fd] = parked.sock  # bytes already there are reported once
 
     def _unpark(self, parked: _Parked) -> None:
         if self.by_deadline.pop(parked.sock, None) is not None:
@@ -319,7 +360,9 @@ class Gate:
             del mine[parked.sock]
             if not mine:
                 del self.by_host[parked.host]
-            self.sel.unregister(parked.sock)
+            fd = parked.sock.fileno()
+            del self.parked_fds[fd]
+            self.parked_ep.unregister(fd)
 
     def _close(self, parked: _Parked) -> None:
         self._unpark(parked)
@@ -353,10 +396,7 @@ class Gate:
         self.rejected()
         queue = self.queued.get(parked.host)
         if queue and queue[0] is parked:
-            queue.popleft()
-            self.queued_count -= 1
-            if not queue:
-                del self.queued[parked.host]
+            self._dequeue(parked, queue)
             parked.sock.close()
             return
         self._close(parked)
@@ -380,6 +420,12 @@ class Gate:
         self._close(parked)
 
     # -- a parked connection spoke --
+
+    def _parked_events(self, _fd: int) -> None:
+        for fd, _ in self.parked_ep.poll(0, ACCEPT_BATCH * 4):
+            sock = self.parked_fds.get(fd)
+            if sock is not None:
+                self._readable(sock)
 
     def _readable(self, sock: socket.socket) -> None:
         parked = self.by_deadline.get(sock)
@@ -406,6 +452,9 @@ class Gate:
         length = int.from_bytes(data[3:5], "big")
         if data[0] == 0x16 and length <= MAX_TLS_RECORD and len(data) < 5 + length:
             return  # the ClientHello is not whole yet: stay parked, no OpenSSL state
+        if _shut_down(parked.sock):
+            self._close(parked)  # sent its hello and hung up: a handshake for nobody
+            return
         if not self._fresh_hello(data[: 5 + length]):
             self._close(parked)  # a replayed hello costs the attacker nothing, us a signature
             return
@@ -519,28 +568,81 @@ class Gate:
         self._unpark(parked)
         self.queued.setdefault(parked.host, collections.deque()).append(parked)
         self.queued_count += 1
+        if self.hangups is not None:
+            if self._ranked_host(parked.host, time.monotonic()):
+                self.ranked[parked.host] = None
+            fd = parked.sock.fileno()
+            self.hangups.register(fd, select.EPOLLRDHUP)  # EPOLLHUP and EPOLLERR implied
+            self.watched[fd] = parked
         self._hand_queued(time.monotonic())
+
+    def shook(self, host: str) -> None:
+        """A client from ``host`` completed a TLS handshake (front thread)."""
+        self.shook_news.append((host, time.monotonic()))
+        self._wake()
+
+    def _note_shook(self, host: str, when: float) -> None:
+        self.shook_hosts[host] = when
+        self.shook_hosts.move_to_end(host)
+        if len(self.shook_hosts) > SHOOK_MEMORY:
+            self.shook_hosts.popitem(last=False)
+        if host in self.queued:
+            self.ranked[host] = None
+
+    def _ranked_host(self, host: str, now: float) -> bool:
+        when = self.shook_hosts.get(host)
+        return when is not None and now - when < SHOOK_S
+
+    def _dequeue(self, parked: _Parked, queue: collections.deque[_Parked]) -> None:
+        """Take ``parked`` out of its address's ``queue`` (and out of the hang-up watch)."""
+        if queue[0] is parked:
+            queue.popleft()
+        elif queue[-1] is parked:
+            queue.pop()
+        else:
+            queue.remove(parked)
+        self.queued_count -= 1
+        if not queue:
+            del self.queued[parked.host]
+            self.ranked.pop(parked.host, None)
+        if self.hangups is not None and self.watched.pop(parked.sock.fileno(), None):
+            self.hangups.unregister(parked.sock.fileno())
+
+    def _hung_up_queued(self, _fd: int) -> None:
+        """TLS: clients of queued ClientHellos that hung up (see ``hangups``): closed."""
+        for fd, _ in self.hangups.poll(0, 256) if self.hangups is not None else ():
+            parked = self.watched.get(fd)
+            queue = self.queued.get(parked.host) if parked is not None else None
+            if parked is None or queue is None:
+                continue
+            self._dequeue(parked, queue)
+            parked.sock.close()
 
     def _hand_queued(self, now: float) -> None:
         if not self.queued:
             return
         if now >= self.queued_expiry:  # a scan of every address: a few times a second
             self.queued_expiry = now + 0.1
-            for host, queue in list(self.queued.items()):
+            for queue in list(self.queued.values()):
                 while queue and queue[0].deadline <= now:
                     self.rejected()
-                    queue.popleft().sock.close()  # waited its whole deadline for the front
-                    self.queued_count -= 1
-                if not queue:
-                    del self.queued[host]
+                    expired = queue[0]
+                    self._dequeue(expired, queue)  # waited its whole deadline for the front
+                    expired.sock.close()
         room = self.front_room() - (self.sent - self.taken)
         while self.queued and room > 0:
-            host, queue = next(iter(self.queued.items()))
-            parked = queue.popleft()
-            del self.queued[host]
+            # TLS: the round of addresses that completed handshakes lately goes first.
+            host = next(iter(self.ranked or self.queued))
+            queue = self.queued[host]
+            # TLS: the newest hello of the address first. Its client has the most of its
+            # timeout left (a kubelet's is 1 s); the oldest, whose clients likely gave up
+            # already, are the ones evicted at the cap and expired at their deadline.
+            parked = queue[-1] if self.tls else queue[0]
+            self._dequeue(parked, queue)
             if queue:
-                self.queued[host] = queue  # to the back of the round
-            self.queued_count -= 1
+                self.queued.move_to_end(host)  # to the back of the round
+                if host in self.ranked:
+                    self.ranked.move_to_end(host)
             self.sent += 1
             room -= 1
             self.hand_off(parked.sock)

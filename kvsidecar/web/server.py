@@ -105,6 +105,11 @@ READY_TIMEOUT_S = 5.0  # /-/ready answers 503 rather than hang behind a stuck ch
 # one, so a handshake flood costs at most one core and the loop keeps the other.
 HANDSHAKE_THREADS = 1
 HANDSHAKES_PER_SOURCE = 8  # waiting or running, per client address; beyond: closed at once
+# ClientHellos the front takes from the gate at once, until each has had its first
+# handshake step (the server's flight): the others wait at the gate, newest of each
+# address first, closed there if their client hangs up. A queue of hundreds here would
+# be served oldest first, its clients long gone (a kubelet waits 1 s).
+HANDSHAKE_PLACES = 4
 MAX_HANDSHAKES_WAITING = 256
 WRITE_CHUNK = 16384  # an answer is queued this much at a time: bounded unread bytes
 RENDER_WAIT_S = 5.0  # above max_requests a request waits its turn this long, then 503
@@ -130,6 +135,8 @@ class _Conn:
     # address cannot close the probe mid-handshake whatever the cap.
     progressed: bool = False
     born: float = field(default_factory=time.monotonic)
+    # Holds one of the front's `HANDSHAKE_PLACES` until its first handshake step is done.
+    hello_place: Callable[[], None] | None = None
 
 
 async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes]) -> bool:
@@ -247,6 +254,7 @@ class _Front:
         self.gate: Gate | None = None
         self.connecting: set[asyncio.Task] = set()  # strong references until set up
         self.unadmitted = 0  # accepted, not yet through _admit
+        self.hellos = 0  # TLS: taken from the gate, first handshake step not yet done
         self.log_bad = Throttled(logging.INFO)
         self.log_loop = Throttled(logging.WARNING)
         self.log_limit = Throttled(logging.WARNING)
@@ -359,6 +367,15 @@ class _Front:
         if self.gate is not None:
             self.gate.arrived()
         pending = [True]
+        hello = [True] if self.gate is not None and self.gate.tls else []
+        self.hellos += len(hello)
+
+        def hello_done() -> None:
+            if hello:
+                hello.clear()
+                self.hellos -= 1
+                if self.gate is not None:
+                    self.gate.wake()
 
         def admitting() -> None:
             if pending:
@@ -369,7 +386,10 @@ class _Front:
 
         async def client(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
             admitting()
-            await self.client(reader, writer)
+            try:
+                await self.client(reader, writer, hello_done)
+            finally:
+                hello_done()
 
         async def connect() -> None:
             try:
@@ -377,6 +397,7 @@ class _Front:
             except OSError:
                 sock.close()  # reset before it was set up: the client is gone
                 admitting()  # a no-op if it got as far as client()
+                hello_done()
 
         reader = asyncio.StreamReader(limit=MAX_HEAD_BYTES, loop=self.loop)
         protocol = asyncio.StreamReaderProtocol(reader, client, loop=self.loop)
@@ -384,9 +405,15 @@ class _Front:
         self.connecting.add(task)
         task.add_done_callback(self.connecting.discard)
 
-    async def client(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def client(
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        hello_done: Callable[[], None] | None = None,
+    ) -> None:
         peername = writer.get_extra_info("peername") or ("?", 0)
         conn = _Conn(reader, writer, format_address(peername), str(peername[0]))
+        conn.hello_place = hello_done
         conn.task = asyncio.current_task()
         sock = writer.get_extra_info("socket")
         if sock is not None:
@@ -462,6 +489,8 @@ class _Front:
             self.web.stats.tls_handshake_failed()
             log.debug("TLS handshake with %s failed: %r", conn.peer, e)
             return False
+        if self.gate is not None:
+            self.gate.shook(conn.host)
         reader.limit = MAX_HEAD_BYTES
         conn.reader, conn.writer = reader, writer
         return True
@@ -481,6 +510,9 @@ class _Front:
                     raise ConnectionResetError("client closed before its handshake turn")
                 await self.loop.run_in_executor(self.tls_pool, fn)
         finally:
+            if conn.hello_place is not None:
+                conn.hello_place()  # the server's flight is out: the next hello's turn
+                conn.hello_place = None
             if conn in self.open:
                 self._set_waiting(conn, True)
 
@@ -750,7 +782,11 @@ class _Front:
         # TLS connections stay here between requests and between handshake flights
         # (plain ones go back to the gate): waiting for their client, closable too.
         closable = len(self.failing) + len(self.stalled) + len(self.checking) + len(self.waiting)
-        return cap - len(self.open) - self.unadmitted + closable
+        room = cap - len(self.open) - self.unadmitted + closable
+        if self.gate is not None and self.gate.tls:
+            # Hellos wait at the gate until a handshake place is free (`HANDSHAKE_PLACES`).
+            room = min(room, HANDSHAKE_PLACES - self.hellos)
+        return room
 
     def _config_headers(self) -> Mapping[str, str]:
         state = self.web._live.peek()
