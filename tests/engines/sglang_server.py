@@ -92,6 +92,9 @@ def sglang_values(port: int) -> dict[str, float]:
     out["prefill_cache"] = _counter(m, tokens, tp_rank="0", mode="prefill_cache")
     out["prefill_compute"] = _counter(m, tokens, tp_rank="0", mode="prefill_compute")
     out["retracted"] = _counter(m, "sglang:num_retracted_requests_total", tp_rank="0")
+    # The P/D gauges: 0 on a unified server (no deferred release, no transfer queue).
+    for n in ("num_decode_deferred_kv_release_reqs", "num_decode_transfer_queue_reqs"):
+        out[n] = _counter(m, f"sglang:{n}", tp_rank="0")
     return out
 
 
@@ -115,6 +118,11 @@ def kvsidecar_values(url: str) -> dict[str, float]:
         "preemptions": vb.value(m, "kvsidecar_preemptions_total"),
         "prefix_query": pool("prefix_query_tokens_total"),
         "prefix_hit": pool("prefix_hit_tokens_total"),
+        # Deferred release (SGLang's P/D gauges' quantity): null for SGLang, so no series.
+        "deferred_series": float(
+            len(m.get("kvsidecar_requests_deferred_free", []))
+            + len(m.get("kvsidecar_kv_pool_deferred_free_requests", []))
+        ),
     }
 
 
@@ -249,3 +257,78 @@ def unexplained_reports(
             near = [(k, round(f - s0, 2), round(e - s0, 2)) for k, f, e in states if k == key]
             bad.append(f"SGLang {key} between {s0:.2f} and {u:.2f}: kvsidecar's at {near}")
     return bad, reports, lag
+
+
+# Every SGLang gauge compared under load: (SGLang's name, kvsidecar's value from a daemon
+# scrape, the same quantity from a `StateLog` state (used, evictable, running, queued)).
+# Page size 1, so SGLang's free slots are total - used - evictable.
+def _fields(total: float) -> list[tuple[str, Any, Any]]:
+    return [
+        ("max_total_num_tokens", lambda o: o["total"], lambda k: total),
+        ("num_used_tokens", lambda o: o["allocated"], lambda k: k[0]),
+        ("kv_used_tokens", lambda o: o["allocated"], lambda k: k[0]),
+        ("num_used_tokens/tokens_used", lambda o: o["tokens_used"], lambda k: k[0]),
+        ("kv_evictable_tokens", lambda o: o["cached"], lambda k: k[1]),
+        (
+            "kv_available_tokens",
+            lambda o: o["available"] - o["cached"],
+            lambda k: total - k[0] - k[1],
+        ),
+        # SGLang rounds token_usage to 2 decimals.
+        ("token_usage", lambda o: round(o["usage"], 2), lambda k: round(k[0] / total, 2)),
+        ("num_running_reqs", lambda o: o["running"], lambda k: k[2]),
+        ("num_queue_reqs", lambda o: o["waiting"], lambda k: k[3]),
+    ]
+
+
+def classify_pairs(
+    states: list[list[Any]],
+    pairs: list[tuple[float, float, dict, dict]],
+    total: float,
+    slack: float = 0.25,
+) -> dict[str, Any]:
+    """Each (SGLang scrape, kvsidecar scrape) pair taken together, field by field: ``exact``
+    (kvsidecar's /metrics shows SGLang's value), ``lag`` (it does not, but kvsidecar's record
+    held SGLang's value within SGLang's sampling period: while SGLang made the report on
+    show, i.e. between the start of the last scrape before the report appeared and the end
+    of the first scrape that showed it, ``slack`` for thread scheduling), or
+    ``unexplained``. ``pairs``: (start, end, SGLang's `sglang_values`, `kvsidecar_values`),
+    in time order; ``states``: `StateLog.states`."""
+    fields = _fields(total)
+    counts = {n: {"exact": 0, "lag": 0, "unexplained": 0} for n, _, _ in fields}
+    whole = {"exact": 0, "lag": 0, "unexplained": 0}
+    bad: list[str] = []
+    report_key, lo, hi = None, float("-inf"), 0.0
+    prev_start = float("-inf")
+    for s0, u, theirs, ours in pairs:
+        key = tuple(theirs[n] for n, _, _ in fields)
+        if key != report_key:  # a new SGLang report: made since the previous scrape began
+            report_key, lo, hi = key, prev_start, u
+        prev_start = s0
+        window = [k for k, first, last in states if first <= hi + slack and last >= lo - slack]
+        all_exact = True
+        for name, from_ours, from_state in fields:
+            want = theirs[name]
+            if from_ours(ours) == want:
+                counts[name]["exact"] += 1
+            elif any(from_state(k) == want for k in window):
+                counts[name]["lag"] += 1
+                all_exact = False
+            else:
+                counts[name]["unexplained"] += 1
+                all_exact = False
+                if len(bad) < 10:
+                    seen = sorted({from_state(k) for k in window})[:20]
+                    bad.append(
+                        f"{name}: sglang {want} kvsidecar {from_ours(ours)}; kvsidecar's "
+                        f"states in [{lo:.2f}, {hi:.2f}]: {seen}"
+                    )
+        if all_exact:
+            whole["exact"] += 1
+        else:
+            ok = all(
+                from_ours(ours) == theirs[n] or any(from_state(k) == theirs[n] for k in window)
+                for n, from_ours, from_state in fields
+            )
+            whole["lag" if ok else "unexplained"] += 1
+    return {"scrapes": len(pairs), "all_fields": whole, "fields": counts, "problems": bad}
