@@ -199,6 +199,8 @@ class StateLog:
 
     def __init__(self, shm_dir: Path, name: str) -> None:
         self.states: list[list[Any]] = []
+        # The same with (used, evictable, running, queued, available, tokens_used, total).
+        self.full: list[list[Any]] = []
         self._reader = SegmentReader(name, shm_dir=str(shm_dir))
         assert self._reader.attach() is None
         self._stop = threading.Event()
@@ -220,6 +222,12 @@ class StateLog:
                     self.states[-1][2] = now
                 else:
                     self.states.append([key, now, now])
+                # Every field SGLang's gauges are compared with (`classify_pairs`).
+                full = (*key, p.available_blocks, p.tokens_used, p.total_blocks)
+                if self.full and self.full[-1][0] == full:
+                    self.full[-1][2] = now
+                else:
+                    self.full.append([full, now, now])
             time.sleep(0.001)
 
     def __enter__(self) -> StateLog:
@@ -260,31 +268,25 @@ def unexplained_reports(
 
 
 # Every SGLang gauge compared under load: (SGLang's name, kvsidecar's value from a daemon
-# scrape, the same quantity from a `StateLog` state (used, evictable, running, queued)).
-# Page size 1, so SGLang's free slots are total - used - evictable.
-def _fields(total: float) -> list[tuple[str, Any, Any]]:
-    return [
-        ("max_total_num_tokens", lambda o: o["total"], lambda k: total),
-        ("num_used_tokens", lambda o: o["allocated"], lambda k: k[0]),
-        ("kv_used_tokens", lambda o: o["allocated"], lambda k: k[0]),
-        ("num_used_tokens/tokens_used", lambda o: o["tokens_used"], lambda k: k[0]),
-        ("kv_evictable_tokens", lambda o: o["cached"], lambda k: k[1]),
-        (
-            "kv_available_tokens",
-            lambda o: o["available"] - o["cached"],
-            lambda k: total - k[0] - k[1],
-        ),
-        # SGLang rounds token_usage to 2 decimals.
-        ("token_usage", lambda o: round(o["usage"], 2), lambda k: round(k[0] / total, 2)),
-        ("num_running_reqs", lambda o: o["running"], lambda k: k[2]),
-        ("num_queue_reqs", lambda o: o["waiting"], lambda k: k[3]),
-    ]
+# scrape, the same field of a `StateLog.full` state: (used, evictable, running, queued,
+# available, tokens_used, total), all as kvsidecar's record held them, page size 1).
+FIELDS: list[tuple[str, Any, Any]] = [
+    ("max_total_num_tokens", lambda o: o["total"], lambda k: k[6]),
+    ("num_used_tokens", lambda o: o["allocated"], lambda k: k[0]),
+    ("kv_used_tokens", lambda o: o["allocated"], lambda k: k[0]),
+    ("num_used_tokens/tokens_used", lambda o: o["tokens_used"], lambda k: k[5]),
+    ("kv_evictable_tokens", lambda o: o["cached"], lambda k: k[1]),
+    ("kv_available_tokens", lambda o: o["available"] - o["cached"], lambda k: k[4] - k[1]),
+    # SGLang rounds token_usage to 2 decimals; the daemon's ratio is used / total.
+    ("token_usage", lambda o: round(o["usage"], 2), lambda k: round(k[0] / k[6], 2)),
+    ("num_running_reqs", lambda o: o["running"], lambda k: k[2]),
+    ("num_queue_reqs", lambda o: o["waiting"], lambda k: k[3]),
+]
 
 
 def classify_pairs(
     states: list[list[Any]],
     pairs: list[tuple[float, float, dict, dict]],
-    total: float,
     slack: float = 0.25,
 ) -> dict[str, Any]:
     """Each (SGLang scrape, kvsidecar scrape) pair taken together, field by field: ``exact``
@@ -293,22 +295,22 @@ def classify_pairs(
     show, i.e. between the start of the last scrape before the report appeared and the end
     of the first scrape that showed it, ``slack`` for thread scheduling), or
     ``unexplained``. ``pairs``: (start, end, SGLang's `sglang_values`, `kvsidecar_values`),
-    in time order; ``states``: `StateLog.states`."""
-    fields = _fields(total)
+    in time order; ``states``: `StateLog.full`."""
+    fields = FIELDS
     counts = {n: {"exact": 0, "lag": 0, "unexplained": 0} for n, _, _ in fields}
     whole = {"exact": 0, "lag": 0, "unexplained": 0}
     bad: list[str] = []
     report_key, lo, hi = None, float("-inf"), 0.0
     prev_start = float("-inf")
     for s0, u, theirs, ours in pairs:
-        key = tuple(theirs[n] for n, _, _ in fields)
+        key = tuple(theirs[n.split("/")[0]] for n, _, _ in fields)
         if key != report_key:  # a new SGLang report: made since the previous scrape began
             report_key, lo, hi = key, prev_start, u
         prev_start = s0
         window = [k for k, first, last in states if first <= hi + slack and last >= lo - slack]
         all_exact = True
         for name, from_ours, from_state in fields:
-            want = theirs[name]
+            want = theirs[name.split("/")[0]]  # "a/b": SGLang's a against our b
             if from_ours(ours) == want:
                 counts[name]["exact"] += 1
             elif any(from_state(k) == want for k in window):
@@ -327,8 +329,8 @@ def classify_pairs(
             whole["exact"] += 1
         else:
             ok = all(
-                from_ours(ours) == theirs[n] or any(from_state(k) == theirs[n] for k in window)
-                for n, from_ours, from_state in fields
+                from_ours(ours) == w or any(from_state(k) == w for k in window)
+                for w, (_, from_ours, from_state) in zip(key, fields, strict=True)
             )
             whole["lag" if ok else "unexplained"] += 1
     return {"scrapes": len(pairs), "all_fields": whole, "fields": counts, "problems": bad}

@@ -179,7 +179,7 @@ def test_prefix_sharing_under_eviction_pressure(stack):
     pd = ("num_decode_deferred_kv_release_reqs", "num_decode_transfer_queue_reqs")
     assert {t[n] for _, _, t, _ in pairs for n in pd} == {0.0}
     assert {o["deferred_series"] for o in seen} == {0.0}
-    counts = ss.classify_pairs(log.states, pairs, MAX_TOTAL)
+    counts = ss.classify_pairs(log.full, pairs)
     after = settled(stack)
     _theirs, ours = after
     idle = [before, after]
