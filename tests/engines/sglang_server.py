@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -190,54 +190,69 @@ LAGGED = (
 )
 
 
+def _log_states(shm_dir: str, name: str, stop: Any, conn: Any) -> None:
+    """`StateLog`'s reader, in its own process: the test's threads (a scrape of SGLang's
+    70 KB /metrics is parsed in Python) hold the GIL for milliseconds, time in which a
+    reader thread missed one-step states (seen: SGLang reported used 996 while the log had
+    992 and 1000)."""
+    reader = SegmentReader(name, shm_dir=shm_dir)
+    assert reader.attach() is None
+    states: list[list[Any]] = []
+    full: list[list[Any]] = []
+    while not stop.is_set():
+        r = reader.read()
+        if isinstance(r, Reading):
+            p, rt = r.snapshot.pools[0], r.snapshot.runtime
+            key = (p.allocated_blocks, p.cached_blocks, rt.requests_running, rt.requests_waiting)
+            now = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
+            if states and states[-1][0] == key:
+                states[-1][2] = now
+            else:
+                states.append([key, now, now])
+            # Every field SGLang's gauges are compared with (`classify_pairs`).
+            whole = (*key, p.available_blocks, p.tokens_used, p.total_blocks)
+            if full and full[-1][0] == whole:
+                full[-1][2] = now
+            else:
+                full.append([whole, now, now])
+        time.sleep(0.0005)
+    reader.close()
+    conn.send((states, full))
+    conn.close()
+
+
 class StateLog:
     """Every distinct state kvsidecar's record went through, read straight from the segment
-    about 1,000 times a second on a thread (a scheduler step takes milliseconds here, so no
-    state is missed for long): [(used, evictable, running, queued), first seen, last seen].
-    The daemon's /metrics serves the same record; a 20 Hz scrape of it would see only some
-    of the states, too few to hold SGLang's reports against."""
+    about 1,000 times a second by a process of its own (a scheduler step takes milliseconds
+    here, so no state is missed for long): ``states``: [(used, evictable, running, queued),
+    first seen, last seen]; ``full``: the same with (..., available, tokens_used, total).
+    Filled when the block ends. The daemon's /metrics serves the same record; a 20 Hz scrape
+    of it would see only some of the states, too few to hold SGLang's reports against."""
 
     def __init__(self, shm_dir: Path, name: str) -> None:
         self.states: list[list[Any]] = []
-        # The same with (used, evictable, running, queued, available, tokens_used, total).
         self.full: list[list[Any]] = []
-        self._reader = SegmentReader(name, shm_dir=str(shm_dir))
-        assert self._reader.attach() is None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            r = self._reader.read()
-            if isinstance(r, Reading):
-                p, rt = r.snapshot.pools[0], r.snapshot.runtime
-                key = (
-                    p.allocated_blocks,
-                    p.cached_blocks,
-                    rt.requests_running,
-                    rt.requests_waiting,
-                )
-                now = time.monotonic()
-                if self.states and self.states[-1][0] == key:
-                    self.states[-1][2] = now
-                else:
-                    self.states.append([key, now, now])
-                # Every field SGLang's gauges are compared with (`classify_pairs`).
-                full = (*key, p.available_blocks, p.tokens_used, p.total_blocks)
-                if self.full and self.full[-1][0] == full:
-                    self.full[-1][2] = now
-                else:
-                    self.full.append([full, now, now])
-            time.sleep(0.001)
+        ctx = multiprocessing.get_context("fork")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_log_states, args=(str(shm_dir), name, self._stop, send), daemon=True
+        )
+        self._send = send
 
     def __enter__(self) -> StateLog:
-        self._thread.start()
+        self._proc.start()
+        self._send.close()
+        time.sleep(0.2)  # attached before the block's load starts
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(5)
-        self._reader.close()
+        if self._recv.poll(30):
+            self.states, self.full = self._recv.recv()
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 def unexplained_reports(
