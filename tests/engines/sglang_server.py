@@ -210,11 +210,14 @@ def _log_states(shm_dir: str, name: str, stop: Any, conn: Any) -> None:
             else:
                 states.append([key, now, now])
             # Every field SGLang's gauges are compared with (`classify_pairs`).
+            # With the record's step counter: a step gap between two entries means states
+            # this log never saw (`classify_pairs` then cannot tell).
             whole = (*key, p.available_blocks, p.tokens_used, p.total_blocks)
-            if full and full[-1][0] == whole:
-                full[-1][2] = now
+            step = rt.step
+            if full and full[-1][0] == whole and step <= full[-1][4] + 1:
+                full[-1][2], full[-1][4] = now, step
             else:
-                full.append([whole, now, now])
+                full.append([whole, now, now, step, step])
         time.sleep(0.0005)
     reader.close()
     conn.send((states, full))
@@ -308,12 +311,15 @@ def classify_pairs(
     (kvsidecar's /metrics shows SGLang's value), ``lag`` (it does not, but kvsidecar's record
     held SGLang's value within SGLang's sampling period: while SGLang made the report on
     show, i.e. between the start of the last scrape before the report appeared and the end
-    of the first scrape that showed it, ``slack`` for thread scheduling), or
-    ``unexplained``. ``pairs``: (start, end, SGLang's `sglang_values`, `kvsidecar_values`),
-    in time order; ``states``: `StateLog.full`."""
+    of the first scrape that showed it, ``slack`` for thread scheduling),
+    ``unobserved`` (not that, but `StateLog` missed steps in the window: on this loaded
+    2-core host its reader is sometimes not scheduled for a few scheduler steps, so SGLang's
+    value may be one of the unseen states), or ``unexplained`` (every step in the window
+    seen, none held SGLang's value). ``pairs``: (start, end, SGLang's `sglang_values`,
+    `kvsidecar_values`), in time order; ``states``: `StateLog.full`."""
     fields = FIELDS
-    counts = {n: {"exact": 0, "lag": 0, "unexplained": 0} for n, _, _ in fields}
-    whole = {"exact": 0, "lag": 0, "unexplained": 0}
+    counts = {n: {"exact": 0, "lag": 0, "unobserved": 0, "unexplained": 0} for n, _, _ in fields}
+    whole = {"exact": 0, "lag": 0, "unobserved": 0, "unexplained": 0}
     bad: list[str] = []
     report_key, lo, hi = None, float("-inf"), 0.0
     prev_start = float("-inf")
@@ -322,7 +328,10 @@ def classify_pairs(
         if key != report_key:  # a new SGLang report: made since the previous scrape began
             report_key, lo, hi = key, prev_start, u
         prev_start = s0
-        window = [k for k, first, last in states if first <= hi + slack and last >= lo - slack]
+        near = [e for e in states if e[1] <= hi + slack and e[2] >= lo - slack]
+        window = [e[0] for e in near]
+        # Every step in the window seen? (each entry starts one step after the last ended)
+        complete = all(b[3] <= a[4] + 1 for a, b in itertools.pairwise(near))
         all_exact = True
         for name, from_ours, from_state in fields:
             want = theirs[name.split("/")[0]]  # "a/b": SGLang's a against our b
@@ -330,6 +339,9 @@ def classify_pairs(
                 counts[name]["exact"] += 1
             elif any(from_state(k) == want for k in window):
                 counts[name]["lag"] += 1
+                all_exact = False
+            elif not complete:  # SGLang's value may be one of the steps the log missed
+                counts[name]["unobserved"] += 1
                 all_exact = False
             else:
                 counts[name]["unexplained"] += 1
@@ -347,5 +359,5 @@ def classify_pairs(
                 from_ours(ours) == w or any(from_state(k) == w for k in window)
                 for w, (_, from_ours, from_state) in zip(key, fields, strict=True)
             )
-            whole["lag" if ok else "unexplained"] += 1
+            whole["lag" if ok else "unobserved" if not complete else "unexplained"] += 1
     return {"scrapes": len(pairs), "all_fields": whole, "fields": counts, "problems": bad}

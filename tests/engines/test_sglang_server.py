@@ -198,6 +198,8 @@ def test_prefix_sharing_under_eviction_pressure(stack):
     )
     assert not unexplained, (unexplained, counts["problems"])
     assert counts["all_fields"]["unexplained"] == 0, counts["problems"]
+    # What StateLog's reader missed is no evidence either way: kept to a small share.
+    assert counts["all_fields"]["unobserved"] <= len(pairs) // 20, counts["all_fields"]
     assert ours["prefix_hit"] > 0, "the shared prefixes were never matched"
     distinct = 4 * 150 + 3 * 16 * (50 + 1 + 64)  # shared prefixes once; tails and outputs
     assert distinct > MAX_TOTAL and ours["cached"] < distinct, "the load was sized to evict"
