@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import multiprocessing
 import os
 import subprocess
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -92,6 +92,9 @@ def sglang_values(port: int) -> dict[str, float]:
     out["prefill_cache"] = _counter(m, tokens, tp_rank="0", mode="prefill_cache")
     out["prefill_compute"] = _counter(m, tokens, tp_rank="0", mode="prefill_compute")
     out["retracted"] = _counter(m, "sglang:num_retracted_requests_total", tp_rank="0")
+    # The P/D gauges: 0 on a unified server (no deferred release, no transfer queue).
+    for n in ("num_decode_deferred_kv_release_reqs", "num_decode_transfer_queue_reqs"):
+        out[n] = _counter(m, f"sglang:{n}", tp_rank="0")
     return out
 
 
@@ -115,6 +118,11 @@ def kvsidecar_values(url: str) -> dict[str, float]:
         "preemptions": vb.value(m, "kvsidecar_preemptions_total"),
         "prefix_query": pool("prefix_query_tokens_total"),
         "prefix_hit": pool("prefix_hit_tokens_total"),
+        # Deferred release (SGLang's P/D gauges' quantity): null for SGLang, so no series.
+        "deferred_series": float(
+            len(m.get("kvsidecar_requests_deferred_free", []))
+            + len(m.get("kvsidecar_kv_pool_deferred_free_requests", []))
+        ),
     }
 
 
@@ -182,46 +190,72 @@ LAGGED = (
 )
 
 
+def _log_states(shm_dir: str, name: str, stop: Any, conn: Any) -> None:
+    """`StateLog`'s reader, in its own process: the test's threads (a scrape of SGLang's
+    70 KB /metrics is parsed in Python) hold the GIL for milliseconds, time in which a
+    reader thread missed one-step states (seen: SGLang reported used 996 while the log had
+    992 and 1000)."""
+    reader = SegmentReader(name, shm_dir=shm_dir)
+    assert reader.attach() is None
+    states: list[list[Any]] = []
+    full: list[list[Any]] = []
+    while not stop.is_set():
+        r = reader.read()
+        if isinstance(r, Reading):
+            p, rt = r.snapshot.pools[0], r.snapshot.runtime
+            key = (p.allocated_blocks, p.cached_blocks, rt.requests_running, rt.requests_waiting)
+            now = time.monotonic()  # CLOCK_MONOTONIC: the same clock in every process
+            if states and states[-1][0] == key:
+                states[-1][2] = now
+            else:
+                states.append([key, now, now])
+            # Every field SGLang's gauges are compared with (`classify_pairs`).
+            # With the record's step counter: a step gap between two entries means states
+            # this log never saw (`classify_pairs` then cannot tell).
+            whole = (*key, p.available_blocks, p.tokens_used, p.total_blocks)
+            step = rt.step
+            if full and full[-1][0] == whole and step <= full[-1][4] + 1:
+                full[-1][2], full[-1][4] = now, step
+            else:
+                full.append([whole, now, now, step, step])
+        time.sleep(0.0005)
+    reader.close()
+    conn.send((states, full))
+    conn.close()
+
+
 class StateLog:
     """Every distinct state kvsidecar's record went through, read straight from the segment
-    about 1,000 times a second on a thread (a scheduler step takes milliseconds here, so no
-    state is missed for long): [(used, evictable, running, queued), first seen, last seen].
-    The daemon's /metrics serves the same record; a 20 Hz scrape of it would see only some
-    of the states, too few to hold SGLang's reports against."""
+    about 1,000 times a second by a process of its own (a scheduler step takes milliseconds
+    here, so no state is missed for long): ``states``: [(used, evictable, running, queued),
+    first seen, last seen]; ``full``: the same with (..., available, tokens_used, total).
+    Filled when the block ends. The daemon's /metrics serves the same record; a 20 Hz scrape
+    of it would see only some of the states, too few to hold SGLang's reports against."""
 
     def __init__(self, shm_dir: Path, name: str) -> None:
         self.states: list[list[Any]] = []
-        self._reader = SegmentReader(name, shm_dir=str(shm_dir))
-        assert self._reader.attach() is None
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.is_set():
-            r = self._reader.read()
-            if isinstance(r, Reading):
-                p, rt = r.snapshot.pools[0], r.snapshot.runtime
-                key = (
-                    p.allocated_blocks,
-                    p.cached_blocks,
-                    rt.requests_running,
-                    rt.requests_waiting,
-                )
-                now = time.monotonic()
-                if self.states and self.states[-1][0] == key:
-                    self.states[-1][2] = now
-                else:
-                    self.states.append([key, now, now])
-            time.sleep(0.001)
+        self.full: list[list[Any]] = []
+        ctx = multiprocessing.get_context("fork")
+        self._stop = ctx.Event()
+        self._recv, send = ctx.Pipe(duplex=False)
+        self._proc = ctx.Process(
+            target=_log_states, args=(str(shm_dir), name, self._stop, send), daemon=True
+        )
+        self._send = send
 
     def __enter__(self) -> StateLog:
-        self._thread.start()
+        self._proc.start()
+        self._send.close()
+        time.sleep(0.2)  # attached before the block's load starts
         return self
 
     def __exit__(self, *exc: object) -> None:
         self._stop.set()
-        self._thread.join(5)
-        self._reader.close()
+        if self._recv.poll(30):
+            self.states, self.full = self._recv.recv()
+        self._proc.join(10)
+        if self._proc.is_alive():
+            self._proc.kill()
 
 
 def unexplained_reports(
@@ -249,3 +283,81 @@ def unexplained_reports(
             near = [(k, round(f - s0, 2), round(e - s0, 2)) for k, f, e in states if k == key]
             bad.append(f"SGLang {key} between {s0:.2f} and {u:.2f}: kvsidecar's at {near}")
     return bad, reports, lag
+
+
+# Every SGLang gauge compared under load: (SGLang's name, kvsidecar's value from a daemon
+# scrape, the same field of a `StateLog.full` state: (used, evictable, running, queued,
+# available, tokens_used, total), all as kvsidecar's record held them, page size 1).
+FIELDS: list[tuple[str, Any, Any]] = [
+    ("max_total_num_tokens", lambda o: o["total"], lambda k: k[6]),
+    ("num_used_tokens", lambda o: o["allocated"], lambda k: k[0]),
+    ("kv_used_tokens", lambda o: o["allocated"], lambda k: k[0]),
+    ("num_used_tokens/tokens_used", lambda o: o["tokens_used"], lambda k: k[5]),
+    ("kv_evictable_tokens", lambda o: o["cached"], lambda k: k[1]),
+    ("kv_available_tokens", lambda o: o["available"] - o["cached"], lambda k: k[4] - k[1]),
+    # SGLang rounds token_usage to 2 decimals; the daemon's ratio is used / total.
+    ("token_usage", lambda o: round(o["usage"], 2), lambda k: round(k[0] / k[6], 2)),
+    ("num_running_reqs", lambda o: o["running"], lambda k: k[2]),
+    ("num_queue_reqs", lambda o: o["waiting"], lambda k: k[3]),
+]
+
+
+def classify_pairs(
+    states: list[list[Any]],
+    pairs: list[tuple[float, float, dict, dict]],
+    slack: float = 0.25,
+) -> dict[str, Any]:
+    """Each (SGLang scrape, kvsidecar scrape) pair taken together, field by field: ``exact``
+    (kvsidecar's /metrics shows SGLang's value), ``lag`` (it does not, but kvsidecar's record
+    held SGLang's value within SGLang's sampling period: while SGLang made the report on
+    show, i.e. between the start of the last scrape before the report appeared and the end
+    of the first scrape that showed it, ``slack`` for thread scheduling),
+    ``unobserved`` (not that, but `StateLog` missed steps in the window: on this loaded
+    2-core host its reader is sometimes not scheduled for a few scheduler steps, so SGLang's
+    value may be one of the unseen states), or ``unexplained`` (every step in the window
+    seen, none held SGLang's value). ``pairs``: (start, end, SGLang's `sglang_values`,
+    `kvsidecar_values`), in time order; ``states``: `StateLog.full`."""
+    fields = FIELDS
+    counts = {n: {"exact": 0, "lag": 0, "unobserved": 0, "unexplained": 0} for n, _, _ in fields}
+    whole = {"exact": 0, "lag": 0, "unobserved": 0, "unexplained": 0}
+    bad: list[str] = []
+    report_key, lo, hi = None, float("-inf"), 0.0
+    prev_start = float("-inf")
+    for s0, u, theirs, ours in pairs:
+        key = tuple(theirs[n.split("/")[0]] for n, _, _ in fields)
+        if key != report_key:  # a new SGLang report: made since the previous scrape began
+            report_key, lo, hi = key, prev_start, u
+        prev_start = s0
+        near = [e for e in states if e[1] <= hi + slack and e[2] >= lo - slack]
+        window = [e[0] for e in near]
+        # Every step in the window seen? (each entry starts one step after the last ended)
+        complete = all(b[3] <= a[4] + 1 for a, b in itertools.pairwise(near))
+        all_exact = True
+        for name, from_ours, from_state in fields:
+            want = theirs[name.split("/")[0]]  # "a/b": SGLang's a against our b
+            if from_ours(ours) == want:
+                counts[name]["exact"] += 1
+            elif any(from_state(k) == want for k in window):
+                counts[name]["lag"] += 1
+                all_exact = False
+            elif not complete:  # SGLang's value may be one of the steps the log missed
+                counts[name]["unobserved"] += 1
+                all_exact = False
+            else:
+                counts[name]["unexplained"] += 1
+                all_exact = False
+                if len(bad) < 10:
+                    seen = sorted({from_state(k) for k in window})[:20]
+                    bad.append(
+                        f"{name}: sglang {want} kvsidecar {from_ours(ours)}; kvsidecar's "
+                        f"states in [{lo:.2f}, {hi:.2f}]: {seen}"
+                    )
+        if all_exact:
+            whole["exact"] += 1
+        else:
+            ok = all(
+                from_ours(ours) == w or any(from_state(k) == w for k in window)
+                for w, (_, from_ours, from_state) in zip(key, fields, strict=True)
+            )
+            whole["lag" if ok else "unobserved" if not complete else "unexplained"] += 1
+    return {"scrapes": len(pairs), "all_fields": whole, "fields": counts, "problems": bad}
