@@ -8,6 +8,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import re
 import shutil
 import signal
 import statistics
@@ -187,9 +188,17 @@ def start_server(
         except OSError:
             pass
         time.sleep(0.5)
+    exited = proc.poll()
     stop_server(proc)
-    tail = Path(log_path).read_bytes()[-4000:].decode(errors="replace")
-    raise RuntimeError(f"vLLM server did not become healthy in {timeout:.0f} s:\n{tail}")
+    text = Path(log_path).read_bytes().decode(errors="replace")
+    # The root cause (an engine core's exception) sits far above the API server's traceback.
+    causes = [ln for ln in text.splitlines() if re.search(r"\b\w*(Error|Exception)\b:", ln)]
+    why = f"exited with code {exited}" if exited is not None else f"not healthy in {timeout:.0f} s"
+    raise RuntimeError(
+        f"vLLM server {why} (log {log_path}); first errors:\n"
+        + "\n".join(causes[:6])
+        + f"\n... last lines:\n{text[-2500:]}"
+    )
 
 
 def stop_server(proc: subprocess.Popen, timeout: float = 30.0) -> None:
