@@ -33,7 +33,7 @@ def _until(cond) -> None:
     assert cond()
 
 
-def test_push_reachesstart_receiver() -> None:
+def test_push_reaches_the_receiver() -> None:
     srv, got = start_receiver()
     url = f"http://127.0.0.1:{srv.server_address[1]}/v1/metrics"
     p = Pusher(_families, OTLPMetricExporter(endpoint=url, timeout=5), 0.05)

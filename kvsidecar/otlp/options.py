@@ -96,7 +96,8 @@ def build_push(
         from kvsidecar.otlp.push import Pusher
     except ImportError:
         raise OtlpConfigError(
-            "--otlp.endpoint needs the OTLP extra: pip install 'kvsidecar[otlp]'"
+            "--otlp.endpoint needs the OTLP extra: pip install '.[otlp]' in a kvsidecar "
+            "checkout, or the wheel with [otlp] (docs/otlp.md)"
         ) from None
     causes = Causes()
     exporter = OTLPMetricExporter(

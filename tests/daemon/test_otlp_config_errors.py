@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -40,3 +41,23 @@ def test_one_line_naming_the_fix(
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and fix in lines[0], lines
     assert "token-without-a-name" not in r.stderr  # a header file's content is never echoed
+
+
+def test_without_the_extra_one_line_says_how_to_install_it(shm_dir: str) -> None:
+    """An install without the extra (the default one, and the sidecar image): one line
+    naming the extra and an install that works from a checkout or wheel (kvsidecar is not
+    installed by name from an index: docs/otlp.md)."""
+    blocked = "import sys; sys.modules['opentelemetry'] = None; import runpy; "
+    argv = [
+        sys.executable,
+        "-c",
+        blocked + "sys.argv[0] = 'kvsidecar'; runpy.run_module('kvsidecar', run_name='__main__')",
+    ]
+    listen = f"127.0.0.1:{free_port()}"
+    endpoint = ("--otlp.endpoint", "http://c:4318/v1/metrics")
+    serve = ["serve", "--shm-dir", shm_dir, "--web.listen-address", listen, *endpoint]
+    r = subprocess.run([*argv, *serve], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs the OTLP extra" in lines[0], lines
+    assert "pip install '.[otlp]'" in lines[0] and "docs/otlp.md" in lines[0], lines
