@@ -52,7 +52,7 @@ PY313_TESTS := tests/protocol tests/daemon tests/web tests/faults \
 	--deselect=tests/faults/test_daemon_faults.py::test_daemon_sigkilled_and_restarted_while_the_engine_runs
 test-py313:
 	test -x $(VENV313)/bin/python || $(PY313) -m venv $(VENV313)
-	$(VENV313)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e . pytest pytest-timeout hypothesis logfmt
+	$(VENV313)/bin/pip install $(PIP_FLAGS) -c constraints.txt -e '.[otlp]' pytest pytest-timeout hypothesis logfmt
 	$(VENV313)/bin/python -c 'import sys; assert sys.version_info[:2] == (3, 13), sys.version'
 	$(VENV313)/bin/python -m pytest -p no:cacheprovider $(PY313_TESTS) $(PYTEST_ARGS)
 
