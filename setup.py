@@ -25,5 +25,6 @@ setup(
         "kvsidecar.agent.demo",
         "kvsidecar.agent.bench",
         "kvsidecar.agent.engines",
+        "kvsidecar.agent.engines.vllm",
     ],
 )

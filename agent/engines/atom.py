@@ -31,20 +31,14 @@ from collections import OrderedDict
 from collections.abc import Callable, Iterable
 from typing import Any
 
+from kvsidecar.agent.engines._patching import LogOnce
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 
 log = logging.getLogger("atom.kvsidecar")
+_log_once = LogOnce(log)
 
 CHECKED_COMMIT = "ffdf3bb5ddf8a15a64d521a2eeb3bc7438f9ac21"
 ROLE_BY_KV_ROLE = {"kv_producer": "prefill", "kv_consumer": "decode", "kv_both": "both"}
-
-_logged: set[str] = set()
-
-
-def _log_once(key: str, message: str, *args: object) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(message, *args)
 
 
 def block_ids(seq: Any) -> tuple[int, ...]:

@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kvsidecar import settings
+from kvsidecar.agent.engines._patching import disabled, is_patched, mark_patched
 
 log = logging.getLogger("atom.kvsidecar")
 
@@ -40,13 +41,12 @@ PTH_LINE = (
     "os.environ.get('KVSIDECAR_DISABLE', '') in ('', '0', 'false') and "
     "__import__('kvsidecar.agent.engines.atom_hook', fromlist=['install']).install()\n"
 )
-_MARK = "_kvsidecar_patched"
 
 
 def active(env: Any = None) -> bool:
     """``KVSIDECAR_ATOM`` set (and ``KVSIDECAR_DISABLE`` not)."""
     env = os.environ if env is None else env
-    return settings.ATOM.enabled(env) and not settings.DISABLE.enabled(env)
+    return settings.ATOM.enabled(env) and not disabled(env)
 
 
 class _PatchingLoader(importlib.abc.Loader):
@@ -121,10 +121,10 @@ def patch_scheduler_module(module: Any) -> bool:
                 _checked_commit(),
             )
             return False
-        if getattr(cls, _MARK, False):
+        if is_patched(cls):
             return True
         _wrap(cls)
-        setattr(cls, _MARK, True)
+        mark_patched(cls)
         return True
     except Exception as e:
         log.warning("kvsidecar ATOM patch failed (engine unaffected): %r", e)

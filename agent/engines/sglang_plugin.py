@@ -26,33 +26,23 @@ import logging
 import os
 from typing import Any
 
-from kvsidecar import settings
+from kvsidecar.agent.engines._patching import LogOnce, close_segments, disabled
 
 log = logging.getLogger("sglang.kvsidecar")
+_log_once = LogOnce(log)
 
 SCHEDULER = "sglang.srt.managers.scheduler.Scheduler"
 RETRACT = "sglang.srt.managers.schedule_batch.ScheduleBatch.retract_decode"
 KILL_TREE = "sglang.srt.utils.common.kill_process_tree"
 TESTED_VERSIONS = ("0.5.23",)
 
-_logged: set[str] = set()
 _retracted = 0  # requests retracted in this process (one scheduler per process)
-
-
-def _log_once(key: str, msg: str, *args: Any) -> None:
-    if key not in _logged:
-        _logged.add(key)
-        log.warning(msg, *args)
-
-
-def _disabled() -> bool:
-    return settings.DISABLE.enabled(os.environ)
 
 
 def register() -> None:
     """The ``sglang.srt.plugins`` entry point. Never raises."""
     try:
-        if _disabled():
+        if disabled():
             return
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
     except Exception as e:  # not an SGLang with the hook registry: nothing to do
@@ -120,8 +110,6 @@ def _around_kill_tree(original: Any, parent_pid: int, *args: Any, **kwargs: Any)
 def _close_children(parent_pid: int) -> None:
     import psutil
 
-    from kvsidecar.protocol.writer import close_for_writers
-
     pids = set()
     for child in psutil.Process(parent_pid).children(recursive=True):
         try:
@@ -129,7 +117,6 @@ def _close_children(parent_pid: int) -> None:
                 pids.add(child.pid)
         except psutil.Error:
             continue
-    shm_dir = settings.SHM_DIR.get(os.environ) or settings.SHM_DIR.default
-    closed = close_for_writers(shm_dir, pids, dead_only=False) if pids else []
+    closed = close_segments(pids, dead_only=False)
     if closed:
         log.info("kvsidecar: SGLang is stopping its schedulers; closed %s", ", ".join(closed))
