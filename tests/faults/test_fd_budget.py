@@ -17,8 +17,8 @@ from kvsidecar.bench.hostile_clients import _probe
 from kvsidecar.bench.hostile_fds import IdleClients, fork_writers, kill, run_fdlimit
 from kvsidecar.protocol.reader import FDS_PER_SEGMENT, SegmentReader
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.procs import start_daemon, wait_for
-from tests.protocol_helpers import sample_snapshot
+from tests.support.procs import start_daemon, wait_for
+from tests.support.protocol_helpers import sample_snapshot
 
 
 def _fds() -> int:
