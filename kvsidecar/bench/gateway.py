@@ -38,6 +38,8 @@ from typing import Any
 
 from kvsidecar.bench import cost, fleet, proccount, stats
 from kvsidecar.bench.hostile_clients import _summary
+from kvsidecar.bench.rounds import Scraper, counted_round, interleaved_rounds
+from kvsidecar.bench.rounds import summarize as summarize_rounds
 
 PICKERS = 20  # picker replicas: one kept-alive connection each
 RATES = (20, 400)  # polls per second: one replica at 20 Hz; 20 replicas
@@ -93,9 +95,9 @@ while True:
 """
 
 
-class Picker(cost.Scraper):
+class Picker(Scraper):
     """A picker process for one (port, Hz), stopped (SIGSTOP) until resumed; pause, resume
-    and close as `cost.Scraper`'s."""
+    and close as `rounds.Scraper`'s."""
 
     def __init__(self, port: int, hz: float, tmp: str, segment: str | None = None) -> None:
         self.counter = os.path.join(tmp, f"picker-{port}-{hz:g}")
@@ -118,12 +120,12 @@ class Picker(cost.Scraper):
 def counted(
     engine_pid: int, daemon_pid: int, work: Callable[[], Any], picker: Picker | None
 ) -> dict[str, float]:
-    """One round: the engine tree's counters (`cost.counted_round`), the daemon's CPU, and
+    """One round: the engine tree's counters (`rounds.counted_round`), the daemon's CPU, and
     what the picker got (polls answered, fresh of checked, bytes)."""
     d0 = proccount.counters(daemon_pid)["cpu_ms"]
     c0 = picker.counts() if picker else (0, 0, 0, 0)
     t0 = time.monotonic()
-    out = cost.counted_round(engine_pid, lambda: _work_none(work), picker)  # type: ignore[arg-type]
+    out = counted_round(engine_pid, lambda: _work_none(work), picker)  # type: ignore[arg-type]
     out["seconds"] = time.monotonic() - t0
     c1 = picker.counts() if picker else (0, 0, 0, 0)
     out["daemon_cpu_ms"] = proccount.counters(daemon_pid)["cpu_ms"] - d0
@@ -138,9 +140,9 @@ def _work_none(work: Callable[[], Any]) -> None:
 
 
 def summarize(rounds: list[dict[str, dict[str, float]]], conditions: tuple[str, ...]) -> dict:
-    """`cost.summarize` per condition plus the daemon's CPU per poll (against the same
+    """`rounds.summarize` per condition plus the daemon's CPU per poll (against the same
     round's baseline), polls per second, bytes per poll and freshness."""
-    out = cost.summarize(rounds, conditions)
+    out = summarize_rounds(rounds, conditions)
     for cond in conditions:
         base = out[cond]["baseline"]
         polled = [r[cond] for r in rounds if r[cond]["scrapes"] > 0]
@@ -206,7 +208,7 @@ def bench_demo(rounds: int, steps: int) -> dict[str, Any]:
                 pickers.get(cond),
             )
 
-        per_round = cost.interleaved_rounds(rounds, DEMO_CONDITIONS, one)
+        per_round = interleaved_rounds(rounds, DEMO_CONDITIONS, one)
     finally:
         for p in pickers.values():
             p.close()
@@ -261,7 +263,7 @@ def bench_vllm(rounds: int, requests: int, max_tokens: int) -> dict[str, Any]:
         work = vllm.fixed_completions(port, requests, max_tokens, pool, timeout=300)
 
         work()  # warm-up
-        per_round = cost.interleaved_rounds(
+        per_round = interleaved_rounds(
             rounds,
             VLLM_CONDITIONS,
             lambda cond: counted(server.pid, daemon.pid, work, pickers.get(cond)),
