@@ -34,10 +34,10 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
-from kvsidecar.bench import cost, fleet, proccount, stats
-from kvsidecar.bench.hostile_clients import _summary
+from kvsidecar.bench import checkout, cost, fleet, proccount, stats
 from kvsidecar.bench.rounds import Scraper, counted_round, interleaved_rounds
 from kvsidecar.bench.rounds import summarize as summarize_rounds
 
@@ -315,17 +315,15 @@ def _writer_and_daemon(
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def _gateway_poll(port: int) -> tuple[bool, float]:
-    from kvsidecar.bench.hostile_clients import _probe
-
-    return _probe(port, "/metrics", None, timeout=1.0)  # the picker's 1 s poll timeout
+def _gateway_poll(front: ModuleType, port: int) -> tuple[bool, float]:
+    return front._probe(port, "/metrics", None, timeout=1.0)  # the picker's 1 s poll timeout
 
 
-def under_attack(quick: bool) -> dict[str, Any]:
+def under_attack(quick: bool, front: ModuleType) -> dict[str, Any]:
     """The gateway polled at 20/s (each poll a new connection: the worst case for the
-    server) beside frontmix and then scrapeflood on the main port; and with nothing."""
-    from kvsidecar.bench import hostile_front as front
-    from kvsidecar.bench.hostile_front import sample
+    server) beside frontmix and then scrapeflood on the main port; and with nothing.
+    ``front``: the checkout's tests/attacks/hostile_front (`checkout.load`)."""
+    sample, _summary = front.sample, front._summary
 
     seconds = 8.0 if quick else 30.0
     slow_readers = 300 if quick else 1200
@@ -341,7 +339,7 @@ def under_attack(quick: bool) -> dict[str, Any]:
             gport,
             _,
         ):
-            out["quiet"] = _summary(sample(lambda: _gateway_poll(gport), seconds / 2, 0.05))
+            out["quiet"] = _summary(sample(lambda: _gateway_poll(front, gport), seconds / 2, 0.05))
             attacks = [
                 front.Pipeliners(port, 20, ctx),
                 front.SlowReaders(port, slow_readers, ctx),
@@ -351,7 +349,7 @@ def under_attack(quick: bool) -> dict[str, Any]:
                 a.start()
             time.sleep(3.0)
             cpu0, t0 = fleet.proc_stat(daemon.pid)[1], time.monotonic()
-            polls = sample(lambda: _gateway_poll(gport), seconds, 0.05)
+            polls = sample(lambda: _gateway_poll(front, gport), seconds, 0.05)
             main = sample(lambda: front._probe(port, "/-/healthy", ctx, timeout=5.0), 2.0, 0.2)  # type: ignore[attr-defined]
             out["frontmix_daemon_cpu_pct"] = (
                 100 * (fleet.proc_stat(daemon.pid)[1] - cpu0) / (time.monotonic() - t0)
@@ -363,7 +361,7 @@ def under_attack(quick: bool) -> dict[str, Any]:
     with _writer_and_daemon() as (daemon, port, gport, _):
         flood = front.KeepAliveScrapers(port, 40).start()
         time.sleep(2.0)
-        polls = sample(lambda: _gateway_poll(gport), seconds, 0.05)
+        polls = sample(lambda: _gateway_poll(front, gport), seconds, 0.05)
         flood.stop()
         out["scrapeflood"] = _summary(polls)
     for k in ("quiet", "frontmix", "scrapeflood"):
@@ -373,11 +371,12 @@ def under_attack(quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool = False, vllm: bool = False) -> dict[str, Any]:
+    front = checkout.load("hostile_front")  # first: without a checkout, nothing runs
     out: dict[str, Any] = {"quick": quick, "pickers": PICKERS, "rates": list(RATES)}
     out["demo"] = bench_demo(rounds=3 if quick else 8, steps=300 if quick else 1500)
     if vllm:
         out["vllm"] = bench_vllm(*((2, 8, 16) if quick else (6, 16, 32)))
-    out["attack"] = under_attack(quick)
+    out["attack"] = under_attack(quick, front)
     return out
 
 

@@ -13,11 +13,11 @@ import time
 from collections.abc import Iterator
 
 from kvsidecar import settings
-from kvsidecar.bench import hostile_writers as hw
-from kvsidecar.bench.labels import start_churn
 from kvsidecar.daemon.admission import Admission
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
+from tests.attacks import hostile_writers as hw
+from tests.attacks.labels import start_churn
 from tests.support.procs import start_writer, wait_for
 from tests.support.protocol_helpers import sample_snapshot
 from tests.support.scrape import fetch, samples, value

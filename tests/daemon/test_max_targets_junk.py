@@ -8,9 +8,9 @@ import os
 
 import msgspec
 
-from kvsidecar.bench import hostile_writers as hw
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
+from tests.attacks import hostile_writers as hw
 from tests.support.procs import wait_for
 from tests.support.protocol_helpers import sample_snapshot
 

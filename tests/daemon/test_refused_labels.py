@@ -12,8 +12,8 @@ import os
 
 import pytest
 
-from kvsidecar.bench import hostile_writers as hw
 from kvsidecar.daemon.app import REFUSED_LIST_MAX
+from tests.attacks import hostile_writers as hw
 from tests.support.procs import wait_for
 from tests.support.scrape import fetch, samples, value
 

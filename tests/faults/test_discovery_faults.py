@@ -19,7 +19,7 @@ import time
 import pytest
 
 from kvsidecar.bench.fleet import proc_stat
-from kvsidecar.bench.hostile_writers import CHURN
+from tests.attacks.hostile_writers import CHURN
 from tests.support.procs import start_daemon, wait_for
 from tests.support.scrape import fetch, samples, value
 from tests.support.writers import fork_writer, stop

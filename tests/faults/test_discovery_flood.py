@@ -13,15 +13,15 @@ import os
 import time
 from pathlib import Path
 
-from kvsidecar.bench.discover_flood import (
+from kvsidecar.bench.fleet import proc_stat
+from kvsidecar.daemon.targets import MAX_REFUSED
+from tests.attacks.discover_flood import (
     NOBODY,
     SETTLE_S,
     cpu_share,
     make_foreign_files,
     start_churn,
 )
-from kvsidecar.bench.fleet import proc_stat
-from kvsidecar.daemon.targets import MAX_REFUSED
 from tests.support.procs import wait_for
 from tests.support.scrape import value
 from tests.support.writers import fork_writer, stop
