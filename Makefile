@@ -61,8 +61,10 @@ bench-quick: $(STAMP)
 
 # A wheel and an sdist in dist/, to install the daemon elsewhere (docs/operations.md):
 # pip install dist/kvsidecar-<version>-*.whl (no compiler needed where it was built for).
+# build/ goes first: setuptools copies build/lib into the wheel, so a stale one would bring
+# back modules that have left the package (tests/attacks/ once lived in kvsidecar/bench/).
 dist: $(STAMP)
-	rm -rf dist
+	rm -rf build dist
 	git rev-parse --short=12 HEAD > kvsidecar/REVISION 2>/dev/null || echo unknown > kvsidecar/REVISION
 	TZ=UTC git log -1 --date=format-local:%Y%m%d-%H:%M:%S --format=%cd > kvsidecar/BUILD_DATE 2>/dev/null \
 		|| echo unknown > kvsidecar/BUILD_DATE

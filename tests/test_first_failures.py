@@ -15,9 +15,9 @@ import pytest
 
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.conftest import REPO
-from tests.daemon.scrape import fetch, value
-from tests.procs import start_daemon, wait_for
-from tests.protocol_helpers import sample_snapshot
+from tests.support.procs import start_daemon, wait_for
+from tests.support.protocol_helpers import sample_snapshot
+from tests.support.scrape import fetch, value
 
 OPERATIONS = Path(REPO) / "docs" / "operations.md"
 NAME = "kvsidecar.first.dp0.tp0.pp0"

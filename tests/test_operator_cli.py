@@ -27,8 +27,8 @@ from kvsidecar.cli.main import main
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.conftest import REPO
-from tests.procs import wait_for
-from tests.protocol_helpers import sample_snapshot
+from tests.support.procs import wait_for
+from tests.support.protocol_helpers import sample_snapshot
 
 KVSIDECAR = str(Path(sys.executable).parent / "kvsidecar")
 OTHER_UID = 4242  # an "engine user" that is not us

@@ -18,7 +18,7 @@ from kvsidecar.cli.dump import render_table
 from kvsidecar.cli.main import main
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 NAME = "kvsidecar.eng.dp0.tp0.pp0"
 

@@ -15,7 +15,7 @@ from prometheus_client.core import CounterMetricFamily
 
 from kvsidecar.daemon.metric_defs import RANK_LABELS
 from kvsidecar.otlp.push import Pusher
-from tests.otlp_receiver import start_receiver
+from tests.support.otlp_receiver import start_receiver
 
 WAIT_S = 60.0  # generous: a shared 2-core host; never a bound on speed
 

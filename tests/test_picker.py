@@ -1,4 +1,4 @@
-"""tests/picker.py, the endpoint picker's reading the gateway tests rely on, checked against
+"""tests/support/picker.py, the endpoint picker's reading the gateway tests rely on, checked against
 prometheus_client's own text parser on generated bodies, and on expfmt's rejections."""
 
 from __future__ import annotations
@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 from prometheus_client import CollectorRegistry, Gauge, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from tests import picker
+from tests.support import picker
 
 _names = st.from_regex(r"[a-z][a-z0-9_]{0,12}", fullmatch=True)
 _values = st.text(st.characters(blacklist_categories=("Cs",)), max_size=20)

@@ -11,9 +11,9 @@ import os
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.daemon.scrape import fetch, value
-from tests.procs import start_daemon, wait_for
-from tests.protocol_helpers import sample_snapshot
+from tests.support.procs import start_daemon, wait_for
+from tests.support.protocol_helpers import sample_snapshot
+from tests.support.scrape import fetch, value
 from tests.test_operator_cli import cli
 
 NEW = "kvsidecar.new.dp0.tp0.pp0"

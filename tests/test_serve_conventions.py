@@ -20,7 +20,7 @@ import pytest
 from kvsidecar import settings
 from kvsidecar.bench.fleet import stop_daemon
 from tests.conftest import REPO
-from tests.procs import wait_for
+from tests.support.procs import wait_for
 
 KVSIDECAR = [sys.executable, "-m", "kvsidecar"]
 ROOT_WARNING = "running as root"

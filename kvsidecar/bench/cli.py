@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from kvsidecar.bench import report
+from kvsidecar.bench import checkout, report
 
 out_option = click.option(
     "--out", default="bench-results", show_default=True, help="Directory for JSON results."
@@ -142,7 +142,7 @@ def scrape_cmd(quick: bool, out: str) -> None:
 )
 def hostile_cmd(quick: bool, out: str, only: tuple[str, ...]) -> None:
     """The daemon vs hostile writers and neighbours: RSS, scrape time, CPU, log lines (#12)."""
-    from kvsidecar.bench import hostile_writers as hostile
+    hostile = checkout.load("hostile_writers")
 
     r = hostile.run(quick=quick, only=only)
     if "payload" in r:
@@ -174,7 +174,7 @@ def hostile_cmd(quick: bool, out: str, only: tuple[str, ...]) -> None:
 @out_option
 def discoverflood_cmd(quick: bool, out: str) -> None:
     """Discovery beside N files of another uid: RSS per file, cores while they churn (#24)."""
-    from kvsidecar.bench import discover_flood
+    discover_flood = checkout.load("discover_flood")
 
     r = discover_flood.run(quick=quick)
     if "skipped" in r:
@@ -223,6 +223,9 @@ def all_cmd(ctx: click.Context, quick: bool, out: str) -> None:
     """Every benchmark in turn (--quick: the CI smoke run, no thresholds enforced)."""
     for name, command in bench.commands.items():
         if name in ("all", "soak"):
+            continue
+        if name in checkout.COMMANDS and not checkout.available():
+            click.echo(f"\n=== bench {name} skipped: {checkout.needs(name)}")
             continue
         click.echo(f"\n=== bench {name}{' --quick' if quick else ''} ===")
         ctx.invoke(command, quick=quick, out=out)
@@ -410,7 +413,7 @@ def soak_cmd(quick: bool, out: str, seconds: float) -> None:
 @click.option("--tls", is_flag=True, help="Trickle an unfinished TLS handshake instead.")
 def slowloris_cmd(quick: bool, out: str, connections: int, interval: float, tls: bool) -> None:
     """Probe latency (/-/healthy, /metrics) while N connections trickle a byte each."""
-    from kvsidecar.bench import hostile_clients as hostile
+    hostile = checkout.load("hostile_clients")
 
     r = hostile.run_slowloris(quick=quick, connections=connections, tls=tls, interval=interval)
     report.print_table(
@@ -441,7 +444,7 @@ def slowloris_cmd(quick: bool, out: str, connections: int, interval: float, tls:
 )
 def authflood_cmd(quick: bool, out: str, threads: int, distinct: bool, fresh: bool) -> None:
     """First (uncached) login latency under a wrong-password flood (bcrypt cost 10)."""
-    from kvsidecar.bench import hostile_clients as hostile
+    hostile = checkout.load("hostile_clients")
 
     r = hostile.run_authflood(quick=quick, threads=threads, distinct=distinct, fresh=fresh)
     report.print_table(
@@ -467,7 +470,7 @@ def authflood_cmd(quick: bool, out: str, threads: int, distinct: bool, fresh: bo
 @click.option("--slow-readers", type=int, default=1200, show_default=True)
 def frontmix_cmd(quick: bool, out: str, slow_readers: int) -> None:
     """TLS probes answered beside pipelining, slow readers and a ClientHello replay (#24)."""
-    from kvsidecar.bench import hostile_front as front
+    front = checkout.load("hostile_front")
 
     r = front.run_frontmix(quick=quick, slow_readers=slow_readers)
     p = r["probes"]
@@ -492,7 +495,7 @@ def frontmix_cmd(quick: bool, out: str, slow_readers: int) -> None:
 )  # fmt: skip
 def frontshapes_cmd(quick: bool, out: str, only: tuple[str, ...]) -> None:
     """Probes and logins under the attack shapes of issue 31 (one daemon per shape)."""
-    from kvsidecar.bench import front_shapes as fs
+    fs = checkout.load("front_shapes")
 
     unknown = set(only) - set(fs.SHAPES)
     if unknown:
@@ -529,7 +532,7 @@ def frontshapes_cmd(quick: bool, out: str, only: tuple[str, ...]) -> None:
 @click.option("--scrapers", type=int, default=40, show_default=True)
 def scrapeflood_cmd(quick: bool, out: str, scrapers: int) -> None:
     """A legitimate scraper's success rate beside N keep-alive /metrics scrapers (#24)."""
-    from kvsidecar.bench import hostile_front as front
+    front = checkout.load("hostile_front")
 
     r = front.run_scrapeflood(quick=quick, scrapers=scrapers)
     s = r["legitimate"]
@@ -548,7 +551,7 @@ def scrapeflood_cmd(quick: bool, out: str, scrapers: int) -> None:
 @out_option
 def fdlimit_cmd(quick: bool, out: str) -> None:
     """Probes and a new engine beside 256 segments + 1,000 idle connections, 1,024 files (#24)."""
-    from kvsidecar.bench import hostile_fds
+    hostile_fds = checkout.load("hostile_fds")
 
     r = hostile_fds.run_fdlimit(quick=quick)
     report.print_table(
@@ -589,7 +592,7 @@ def fdlimit_cmd(quick: bool, out: str) -> None:
 )
 def tlsidle_cmd(quick: bool, out: str, cert: str, mode: str, counts: str) -> None:
     """Daemon RSS against N idle (TLS) connections (#24)."""
-    from kvsidecar.bench import hostile_fds
+    hostile_fds = checkout.load("hostile_fds")
 
     r = hostile_fds.run_tlsidle(
         quick=quick, cert=cert, mode=mode, counts=tuple(int(c) for c in counts.split(","))
@@ -608,7 +611,7 @@ def tlsidle_cmd(quick: bool, out: str, cert: str, mode: str, counts: str) -> Non
 @out_option
 def aggregate_cmd(quick: bool, out: str) -> None:
     """Daemon RSS with N maximal conforming targets, N = 1..32 (the daemon-wide budget, #24)."""
-    from kvsidecar.bench import aggregate
+    aggregate = checkout.load("aggregate")
 
     r = aggregate.run(quick=quick)
     report.print_table(
@@ -627,7 +630,7 @@ def aggregate_cmd(quick: bool, out: str) -> None:
 def worsttarget_cmd(quick: bool, out: str, old: str) -> None:
     """Daemon RSS with one target at its most costly: every string at the label limit, in
     1- to 4-byte UTF-8 characters (#31 items 1-2)."""
-    from kvsidecar.bench import worst_target
+    worst_target = checkout.load("worst_target")
 
     r = worst_target.run(quick=quick, old=old)
     headers = ["UTF-8 width", "chars", "label bytes", "pools", "served", "body bytes",
@@ -657,7 +660,7 @@ def worsttarget_cmd(quick: bool, out: str, old: str) -> None:
 @out_option
 def labels_cmd(quick: bool, out: str) -> None:
     """`segment` labels minted by short-lived trusted files in 20 s; a real engine's delay."""
-    from kvsidecar.bench import labels
+    labels = checkout.load("labels")
 
     r = labels.run(quick=quick)
     report.print_table("labels: short-lived trusted segments", labels.HEADERS, labels.main_rows(r))

@@ -3,7 +3,7 @@
 
 The server (its whole process tree) answers the same fixed requests every round, under none,
 kvsidecar's /metrics at 20 and 50 Hz (the agent publishes in every condition, so the delta is
-the scrapes alone), the burner control at 50 Hz (`cost.Burner`: the CPU a kvsidecar scrape
+the scrapes alone), the burner control at 50 Hz (`rounds.Burner`: the CPU a kvsidecar scrape
 costs its observers, measured in a warm-up, burnt by two processes that touch nothing of the
 engine) and the engine's own /metrics at 20 and 50 Hz. Counters and pairing as in
 `kvsidecar.bench.cost`. With a `HealthProber`, every round also records the latency of the
@@ -23,7 +23,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from kvsidecar.bench import cost, fleet, health_probe, proccount, vllm
+from kvsidecar.bench import fleet, health_probe, proccount, vllm
+from kvsidecar.bench.rounds import Burner, Scraper, counted_round, interleaved_rounds, summarize
 
 CLIENTS = 4
 
@@ -50,7 +51,7 @@ class Server:
     work: Callable[[], None]  # one round's fixed requests
 
 
-def observer_cost(scraper: cost.Scraper, daemon_pid: int, work: Any) -> dict[str, float]:
+def observer_cost(scraper: Scraper, daemon_pid: int, work: Any) -> dict[str, float]:
     """CPU ms per answered scrape of the scraper and of the daemon over one ``work()``."""
     pids = {"scraper_ms": scraper.proc.pid, "daemon_ms": daemon_pid}
     before = {k: proccount.counters(p)["cpu_ms"] for k, p in pids.items()}
@@ -82,7 +83,7 @@ def measure(server: Server, rounds: int, probe_health: bool = False) -> dict[str
     started and stopped here, the server is the caller's."""
     conds = conditions(server.own)
     daemon = prober = None
-    scrapers: dict[str, cost.Scraper] = {}
+    scrapers: dict[str, Scraper] = {}
     health_rounds: list[dict[str, dict]] = []
     try:
         daemon, kurl = fleet.start_daemon(server.shm, timeout=60)
@@ -91,13 +92,13 @@ def measure(server: Server, rounds: int, probe_health: bool = False) -> dict[str
             target, _, hz = cond.partition("@")
             if target != "burner":
                 port = kport if target == "kvsidecar" else server.port
-                scrapers[cond] = cost.Scraper(port, "/metrics", float(hz), server.tmp)
+                scrapers[cond] = Scraper(port, "/metrics", float(hz), server.tmp)
         own_body = urllib.request.urlopen(f"http://127.0.0.1:{server.port}/metrics").read()
         server.work()  # warm-up: compile, caches
         # A second warm-up under kvsidecar@50 measures what one scrape costs its observers
         # (scraper, daemon), which the burner control then burns at the same rate.
         observers = observer_cost(scrapers["kvsidecar@50"], daemon.pid, server.work)
-        scrapers["burner@50"] = cost.Burner(
+        scrapers["burner@50"] = Burner(
             50.0, observers["scraper_ms"], observers["daemon_ms"], server.tmp
         )
         if probe_health:
@@ -109,9 +110,9 @@ def measure(server: Server, rounds: int, probe_health: bool = False) -> dict[str
                 if not health_rounds or len(health_rounds[-1]) == len(conds):
                     health_rounds.append({})  # a new round: each runs every condition once
                 work = _probed(work, prober, health_rounds[-1].setdefault(cond, {}))
-            return cost.counted_round(server.proc.pid, work, scrapers.get(cond))
+            return counted_round(server.proc.pid, work, scrapers.get(cond))
 
-        per_round = cost.interleaved_rounds(rounds, conds, one)
+        per_round = interleaved_rounds(rounds, conds, one)
     finally:
         for s in scrapers.values():
             s.close()
@@ -123,7 +124,7 @@ def measure(server: Server, rounds: int, probe_health: bool = False) -> dict[str
         "rounds": rounds,
         f"{server.own}_metrics_bytes": len(own_body),
         "observer_cpu_ms_per_scrape": observers,
-        "conditions": cost.summarize(per_round, conds),
+        "conditions": summarize(per_round, conds),
     }
     if health_rounds:
         out["health"] = health_probe.summarize(health_rounds, conds)

@@ -34,10 +34,12 @@ import tempfile
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
+from types import ModuleType
 from typing import Any
 
-from kvsidecar.bench import cost, fleet, proccount, stats
-from kvsidecar.bench.hostile_clients import _summary
+from kvsidecar.bench import checkout, cost, fleet, proccount, stats
+from kvsidecar.bench.rounds import Scraper, counted_round, interleaved_rounds
+from kvsidecar.bench.rounds import summarize as summarize_rounds
 
 PICKERS = 20  # picker replicas: one kept-alive connection each
 RATES = (20, 400)  # polls per second: one replica at 20 Hz; 20 replicas
@@ -93,9 +95,9 @@ while True:
 """
 
 
-class Picker(cost.Scraper):
+class Picker(Scraper):
     """A picker process for one (port, Hz), stopped (SIGSTOP) until resumed; pause, resume
-    and close as `cost.Scraper`'s."""
+    and close as `rounds.Scraper`'s."""
 
     def __init__(self, port: int, hz: float, tmp: str, segment: str | None = None) -> None:
         self.counter = os.path.join(tmp, f"picker-{port}-{hz:g}")
@@ -118,12 +120,12 @@ class Picker(cost.Scraper):
 def counted(
     engine_pid: int, daemon_pid: int, work: Callable[[], Any], picker: Picker | None
 ) -> dict[str, float]:
-    """One round: the engine tree's counters (`cost.counted_round`), the daemon's CPU, and
+    """One round: the engine tree's counters (`rounds.counted_round`), the daemon's CPU, and
     what the picker got (polls answered, fresh of checked, bytes)."""
     d0 = proccount.counters(daemon_pid)["cpu_ms"]
     c0 = picker.counts() if picker else (0, 0, 0, 0)
     t0 = time.monotonic()
-    out = cost.counted_round(engine_pid, lambda: _work_none(work), picker)  # type: ignore[arg-type]
+    out = counted_round(engine_pid, lambda: _work_none(work), picker)  # type: ignore[arg-type]
     out["seconds"] = time.monotonic() - t0
     c1 = picker.counts() if picker else (0, 0, 0, 0)
     out["daemon_cpu_ms"] = proccount.counters(daemon_pid)["cpu_ms"] - d0
@@ -138,9 +140,9 @@ def _work_none(work: Callable[[], Any]) -> None:
 
 
 def summarize(rounds: list[dict[str, dict[str, float]]], conditions: tuple[str, ...]) -> dict:
-    """`cost.summarize` per condition plus the daemon's CPU per poll (against the same
+    """`rounds.summarize` per condition plus the daemon's CPU per poll (against the same
     round's baseline), polls per second, bytes per poll and freshness."""
-    out = cost.summarize(rounds, conditions)
+    out = summarize_rounds(rounds, conditions)
     for cond in conditions:
         base = out[cond]["baseline"]
         polled = [r[cond] for r in rounds if r[cond]["scrapes"] > 0]
@@ -206,7 +208,7 @@ def bench_demo(rounds: int, steps: int) -> dict[str, Any]:
                 pickers.get(cond),
             )
 
-        per_round = cost.interleaved_rounds(rounds, DEMO_CONDITIONS, one)
+        per_round = interleaved_rounds(rounds, DEMO_CONDITIONS, one)
     finally:
         for p in pickers.values():
             p.close()
@@ -261,7 +263,7 @@ def bench_vllm(rounds: int, requests: int, max_tokens: int) -> dict[str, Any]:
         work = vllm.fixed_completions(port, requests, max_tokens, pool, timeout=300)
 
         work()  # warm-up
-        per_round = cost.interleaved_rounds(
+        per_round = interleaved_rounds(
             rounds,
             VLLM_CONDITIONS,
             lambda cond: counted(server.pid, daemon.pid, work, pickers.get(cond)),
@@ -313,17 +315,15 @@ def _writer_and_daemon(
         shutil.rmtree(shm, ignore_errors=True)
 
 
-def _gateway_poll(port: int) -> tuple[bool, float]:
-    from kvsidecar.bench.hostile_clients import _probe
-
-    return _probe(port, "/metrics", None, timeout=1.0)  # the picker's 1 s poll timeout
+def _gateway_poll(front: ModuleType, port: int) -> tuple[bool, float]:
+    return front._probe(port, "/metrics", None, timeout=1.0)  # the picker's 1 s poll timeout
 
 
-def under_attack(quick: bool) -> dict[str, Any]:
+def under_attack(quick: bool, front: ModuleType) -> dict[str, Any]:
     """The gateway polled at 20/s (each poll a new connection: the worst case for the
-    server) beside frontmix and then scrapeflood on the main port; and with nothing."""
-    from kvsidecar.bench import hostile_front as front
-    from kvsidecar.bench.hostile_front import sample
+    server) beside frontmix and then scrapeflood on the main port; and with nothing.
+    ``front``: the checkout's tests/attacks/hostile_front (`checkout.load`)."""
+    sample, _summary = front.sample, front._summary
 
     seconds = 8.0 if quick else 30.0
     slow_readers = 300 if quick else 1200
@@ -339,7 +339,7 @@ def under_attack(quick: bool) -> dict[str, Any]:
             gport,
             _,
         ):
-            out["quiet"] = _summary(sample(lambda: _gateway_poll(gport), seconds / 2, 0.05))
+            out["quiet"] = _summary(sample(lambda: _gateway_poll(front, gport), seconds / 2, 0.05))
             attacks = [
                 front.Pipeliners(port, 20, ctx),
                 front.SlowReaders(port, slow_readers, ctx),
@@ -349,7 +349,7 @@ def under_attack(quick: bool) -> dict[str, Any]:
                 a.start()
             time.sleep(3.0)
             cpu0, t0 = fleet.proc_stat(daemon.pid)[1], time.monotonic()
-            polls = sample(lambda: _gateway_poll(gport), seconds, 0.05)
+            polls = sample(lambda: _gateway_poll(front, gport), seconds, 0.05)
             main = sample(lambda: front._probe(port, "/-/healthy", ctx, timeout=5.0), 2.0, 0.2)  # type: ignore[attr-defined]
             out["frontmix_daemon_cpu_pct"] = (
                 100 * (fleet.proc_stat(daemon.pid)[1] - cpu0) / (time.monotonic() - t0)
@@ -361,7 +361,7 @@ def under_attack(quick: bool) -> dict[str, Any]:
     with _writer_and_daemon() as (daemon, port, gport, _):
         flood = front.KeepAliveScrapers(port, 40).start()
         time.sleep(2.0)
-        polls = sample(lambda: _gateway_poll(gport), seconds, 0.05)
+        polls = sample(lambda: _gateway_poll(front, gport), seconds, 0.05)
         flood.stop()
         out["scrapeflood"] = _summary(polls)
     for k in ("quiet", "frontmix", "scrapeflood"):
@@ -371,11 +371,12 @@ def under_attack(quick: bool) -> dict[str, Any]:
 
 
 def run(quick: bool = False, vllm: bool = False) -> dict[str, Any]:
+    front = checkout.load("hostile_front")  # first: without a checkout, nothing runs
     out: dict[str, Any] = {"quick": quick, "pickers": PICKERS, "rates": list(RATES)}
     out["demo"] = bench_demo(rounds=3 if quick else 8, steps=300 if quick else 1500)
     if vllm:
         out["vllm"] = bench_vllm(*((2, 8, 16) if quick else (6, 16, 32)))
-    out["attack"] = under_attack(quick)
+    out["attack"] = under_attack(quick, front)
     return out
 
 

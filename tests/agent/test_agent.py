@@ -15,7 +15,7 @@ from kvsidecar.agent.agent import KVSidecarAgent
 from kvsidecar.agent.pool import KVBlockPool
 from kvsidecar.protocol.reader import Reading, SegmentReader, read_segment
 from tests.conftest import REPO
-from tests.procs import wait_for
+from tests.support.procs import wait_for
 
 
 def _pool(**kw) -> KVBlockPool:
@@ -24,7 +24,7 @@ def _pool(**kw) -> KVBlockPool:
 
 def test_two_processes_step_and_deferred_gauges_move(shm_dir: str) -> None:
     proc = subprocess.Popen(
-        [sys.executable, "-m", "tests.agent_loop", shm_dir, "500"],
+        [sys.executable, "-m", "tests.support.agent_loop", shm_dir, "500"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,

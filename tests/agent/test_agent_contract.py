@@ -15,7 +15,7 @@ from kvsidecar.daemon.exposition import render_text
 from kvsidecar.daemon.targets import Target
 from kvsidecar.protocol.reader import Reading, SegmentReader, read_segment
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
-from tests.daemon.scrape import value
+from tests.support.scrape import value
 
 
 def _pool(**kw) -> KVBlockPool:

@@ -19,7 +19,7 @@ from kvsidecar.daemon.exposition import render_text
 from kvsidecar.daemon.targets import Target
 from kvsidecar.protocol.reader import read_segment
 from tests.conftest import REPO
-from tests.daemon.scrape import samples, value
+from tests.support.scrape import samples, value
 
 
 def _pool(**kw) -> KVBlockPool:

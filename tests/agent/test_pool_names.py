@@ -11,7 +11,7 @@ from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import render_text
 from kvsidecar.daemon.targets import Target
 from kvsidecar.protocol.reader import Reading, read_segment
-from tests.daemon.scrape import samples
+from tests.support.scrape import samples
 
 
 def _pool(n: int = 16, **kw) -> KVBlockPool:

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvsidecar.bench import cost, fleet, proccount
+from kvsidecar.bench import fleet, proccount, rounds
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -21,7 +21,7 @@ def _tree_cpu_ms(pid: int) -> float:
 
 
 def test_burner_burns_in_two_processes_and_counts_its_wakeups(tmp_path: Path) -> None:
-    burner = cost.Burner(50.0, scraper_ms=3.0, daemon_ms=3.0, tmp=str(tmp_path))
+    burner = rounds.Burner(50.0, scraper_ms=3.0, daemon_ms=3.0, tmp=str(tmp_path))
     try:
         deadline = time.monotonic() + 30
         while len(proccount.tree(burner.proc.pid)) < 2 and time.monotonic() < deadline:

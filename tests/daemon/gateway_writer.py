@@ -58,7 +58,7 @@ def build(engine: str, dp: int, role: str, step: int) -> Snapshot:
 
 
 def expected(engine: str, step: int) -> dict[str, float]:
-    """The picker's reading of step `step` (tests/picker.py `extract`)."""
+    """The picker's reading of step `step` (tests/support/picker.py `extract`)."""
     used = _allocated(step) / TOTAL
     sglang = engine == "sglang"
     # vLLM's get_usage() is 1 - free / total, which can differ from used / total in the

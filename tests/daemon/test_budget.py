@@ -19,11 +19,10 @@ from kvsidecar.daemon.exposition import render_text
 from kvsidecar.daemon.targets import REFUSED, UP, TargetSet
 from kvsidecar.protocol.schema import RuntimeSnapshot
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.faults.writers import fork_raw_writer, fork_writer, stop
-from tests.procs import start_daemon, wait_for
-from tests.protocol_helpers import sample_snapshot
-
-from .scrape import fetch, samples, value
+from tests.support.procs import start_daemon, wait_for
+from tests.support.protocol_helpers import sample_snapshot
+from tests.support.scrape import fetch, samples, value
+from tests.support.writers import fork_raw_writer, fork_writer, stop
 
 # Imported inside the tests that need them, so the end-to-end test also runs (and fails)
 # against a daemon that predates budgets.

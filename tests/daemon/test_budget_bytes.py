@@ -17,7 +17,6 @@ import msgspec
 import pytest
 
 from kvsidecar.bench.publish import realistic_snapshot
-from kvsidecar.bench.worst_target import CHARS, payload
 from kvsidecar.daemon import budget
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import render_text
@@ -25,6 +24,7 @@ from kvsidecar.daemon.targets import NameThrottle, TargetSet, TargetView
 from kvsidecar.protocol.reader import Reading
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
+from tests.attacks.worst_target import CHARS, payload
 
 SLOT = 512 * 1024
 

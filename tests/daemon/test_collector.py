@@ -11,8 +11,7 @@ from kvsidecar.daemon.exposition import render_text
 from kvsidecar.daemon.targets import DEAD, UP, TargetView
 from kvsidecar.protocol.reader import Reading
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
-
-from .scrape import samples, value
+from tests.support.scrape import samples, value
 
 
 def _view(

@@ -14,7 +14,7 @@ from kvsidecar.cli.main import main
 from kvsidecar.daemon import targets as targets_mod
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 
 @pytest.fixture

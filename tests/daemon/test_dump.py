@@ -11,8 +11,8 @@ from click.testing import CliRunner
 
 from kvsidecar.cli.main import main
 from tests.conftest import REPO
-from tests.procs import start_rank
-from tests.rank_writer import expected_pool
+from tests.support.procs import start_rank
+from tests.support.rank_writer import expected_pool
 
 
 @pytest.fixture

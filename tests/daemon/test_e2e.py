@@ -10,10 +10,9 @@ import tempfile
 
 import pytest
 
-from tests.procs import start_daemon, start_rank, wait_for
-from tests.rank_writer import expected_pool
-
-from .scrape import fetch, samples, value
+from tests.support.procs import start_daemon, start_rank, wait_for
+from tests.support.rank_writer import expected_pool
+from tests.support.scrape import fetch, samples, value
 
 
 @pytest.fixture

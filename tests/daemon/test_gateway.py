@@ -1,5 +1,5 @@
 """The gateway endpoint (`serve --gateway.listen-address`), read as an endpoint picker reads
-it (tests/picker.py: expfmt's strict rules, first matching series wins, untyped reads 0),
+it (tests/support/picker.py: expfmt's strict rules, first matching series wins, untyped reads 0),
 against real writer processes whose every value is a function of the step
 (tests/daemon/gateway_writer.py).
 
@@ -32,9 +32,9 @@ from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.reader import SegmentReader
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
-from tests import picker
 from tests.daemon import gateway_writer as gw
-from tests.procs import _start_announcing, start_daemon, wait_for
+from tests.support import picker
+from tests.support.procs import _start_announcing, start_daemon, wait_for
 
 # (status, body, served step or None)
 Poll = Callable[[], tuple[int, str, "int | None"]]

@@ -13,14 +13,14 @@ import time
 from collections.abc import Iterator
 
 from kvsidecar import settings
-from kvsidecar.bench import hostile_writers as hw
-from kvsidecar.bench.labels import start_churn
 from kvsidecar.daemon.admission import Admission
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.daemon.scrape import fetch, samples, value
-from tests.procs import start_writer, wait_for
-from tests.protocol_helpers import sample_snapshot
+from tests.attacks import hostile_writers as hw
+from tests.attacks.labels import start_churn
+from tests.support.procs import start_writer, wait_for
+from tests.support.protocol_helpers import sample_snapshot
+from tests.support.scrape import fetch, samples, value
 
 ENGINE = "kvsidecar.vllm.dp0.tp0.pp0"
 REDISCOVER = 0.2

@@ -8,11 +8,11 @@ import os
 
 import msgspec
 
-from kvsidecar.bench import hostile_writers as hw
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.procs import wait_for
-from tests.protocol_helpers import sample_snapshot
+from tests.attacks import hostile_writers as hw
+from tests.support.procs import wait_for
+from tests.support.protocol_helpers import sample_snapshot
 
 
 def dead_writer(shm_dir: str, name: str) -> None:

@@ -10,7 +10,7 @@ import pytest
 
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 
 @pytest.mark.parametrize(("mode", "served"), [(0o777, False), (0o1777, True), (0o750, True)])

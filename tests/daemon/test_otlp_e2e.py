@@ -10,11 +10,10 @@ import pytest
 
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
 
-from tests.otlp_points import rank_points
-from tests.otlp_receiver import start_receiver
-from tests.procs import start_daemon, start_rank
-
-from .scrape import fetch, samples
+from tests.support.otlp_points import rank_points
+from tests.support.otlp_receiver import start_receiver
+from tests.support.procs import start_daemon, start_rank
+from tests.support.scrape import fetch, samples
 
 WAIT_S = 120.0  # generous: a shared host; never a bound on speed
 

@@ -20,11 +20,10 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsi
 if shutil.which("openssl") is None:
     pytest.skip("needs the openssl CLI", allow_module_level=True)
 
-from tests.certs import make_cert
-from tests.otlp_receiver import start_receiver
-from tests.procs import start_daemon, wait_for
-
-from .scrape import fetch, value
+from tests.support.certs import make_cert
+from tests.support.otlp_receiver import start_receiver
+from tests.support.procs import start_daemon, wait_for
+from tests.support.scrape import fetch, value
 
 WAIT_S = 120.0  # an "eventually", not a speed bound
 TOKEN = "Bearer s3cret-token-from-a-file"

@@ -15,10 +15,9 @@ import pytest
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
 
 from kvsidecar.bench.fleet import free_port_run
-from tests.otlp_receiver import StalledReceiver, dead_port
-from tests.procs import start_daemon, wait_for
-
-from .scrape import fetch, value
+from tests.support.otlp_receiver import StalledReceiver, dead_port
+from tests.support.procs import start_daemon, wait_for
+from tests.support.scrape import fetch, value
 
 WAIT_S = 120.0  # an "eventually", not a speed bound: a shared 2-core host
 ROUNDS = 12

@@ -12,10 +12,10 @@ import os
 
 import pytest
 
-from kvsidecar.bench import hostile_writers as hw
 from kvsidecar.daemon.app import REFUSED_LIST_MAX
-from tests.daemon.scrape import fetch, samples, value
-from tests.procs import wait_for
+from tests.attacks import hostile_writers as hw
+from tests.support.procs import wait_for
+from tests.support.scrape import fetch, samples, value
 
 FOREIGN_UID = 54321
 PER_ROUND = 150

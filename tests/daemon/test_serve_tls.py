@@ -14,9 +14,9 @@ import bcrypt
 import pytest
 
 from kvsidecar.bench.fleet import free_port, start_daemon
-from tests.certs import make_cert
 from tests.conftest import REPO
-from tests.procs import start_rank, wait_for
+from tests.support.certs import make_cert
+from tests.support.procs import start_rank, wait_for
 
 
 def _get(port: int, path: str, ctx: ssl.SSLContext, auth: tuple[str, str] | None = None) -> int:

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 import signal
 
-from tests.procs import start_daemon
+from tests.support.procs import start_daemon
 
 
 def test_sigterm_after_the_first_answer_exits_cleanly(shm_dir: str) -> None:

@@ -20,13 +20,13 @@ from kvsidecar.daemon.app import view_record
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import render_text
 from kvsidecar.daemon.targets import TargetSet, TargetView
-from tests.daemon.scrape import samples
+from tests.support.scrape import samples
 
 NAME = "kvsidecar.ns.dp0.tp0.pp0"
 WRITER = """
 import sys, time
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 DEFERRED = 2.0
 w = SegmentWriter(sys.argv[1], shm_dir=sys.argv[2])
 step = 0

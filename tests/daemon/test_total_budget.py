@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import msgspec
 import pytest
 
-from kvsidecar.bench import hostile_writers as hw
 from kvsidecar.bench.publish import realistic_snapshot
-from kvsidecar.bench.worst_target import payload
+from tests.attacks import hostile_writers as hw
+from tests.attacks.worst_target import payload
 
 # The most costly target one default aggregate budget serves (48 pools, every label 256
 # bytes; 64 such pools alone exceed it and are shed since issue 31).

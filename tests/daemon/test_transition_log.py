@@ -9,7 +9,7 @@ import pytest
 
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 NAME = "kvsidecar.flap.dp0.tp0.pp0"
 

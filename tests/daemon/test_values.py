@@ -25,10 +25,9 @@ from kvsidecar.daemon.budget import identity_error
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.faults.writers import fork_raw_writer, stop
-from tests.procs import start_daemon, wait_for
-
-from .scrape import fetch, value
+from tests.support.procs import start_daemon, wait_for
+from tests.support.scrape import fetch, value
+from tests.support.writers import fork_raw_writer, stop
 
 NAME = "kvsidecar.buggy.dp0.tp0.pp0"
 INT_LIMIT = 2**63

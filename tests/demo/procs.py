@@ -10,7 +10,7 @@ import sys
 from pathlib import Path
 
 from tests.conftest import REPO
-from tests.procs import wait_for
+from tests.support.procs import wait_for
 
 
 def session_members(sid: int) -> list[str]:

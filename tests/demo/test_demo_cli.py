@@ -11,8 +11,8 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.bench.fleet import free_port
-from tests.daemon.scrape import fetch, value
-from tests.procs import wait_for
+from tests.support.procs import wait_for
+from tests.support.scrape import fetch, value
 
 from .procs import Demo, session_members
 

@@ -16,7 +16,7 @@ import pytest
 from kvsidecar.bench.fleet import free_port
 from kvsidecar.protocol.reader import Reading, read_segment
 from tests.conftest import REPO
-from tests.procs import wait_for
+from tests.support.procs import wait_for
 
 from .procs import Demo, session_members
 

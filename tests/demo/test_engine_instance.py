@@ -15,7 +15,7 @@ import pytest
 from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
 from tests.demo.procs import run_engine
-from tests.procs import wait_for
+from tests.support.procs import wait_for
 
 pytestmark = pytest.mark.timeout(300)
 

@@ -17,10 +17,10 @@ import pytest
 pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
 pytest.importorskip("torch", reason="the demo engine needs the agent extra")
 
-from tests.daemon.scrape import fetch, samples
-from tests.otlp_points import TO_PROM, rank_points, resource_attrs
-from tests.otlp_receiver import start_receiver
-from tests.procs import start_daemon, wait_for
+from tests.support.otlp_points import TO_PROM, rank_points, resource_attrs
+from tests.support.otlp_receiver import start_receiver
+from tests.support.procs import start_daemon, wait_for
+from tests.support.scrape import fetch, samples
 
 from .procs import run_engine
 

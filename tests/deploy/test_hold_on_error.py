@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.procs import wait_for
+from tests.support.procs import wait_for
 from tests.test_operator_cli import _healthy
 
 EXIT_USAGE = 2

@@ -1,6 +1,6 @@
 """Every metric the dashboard and the rules query is in a real scrape of the daemon.
 
-The writer is a real engine-like loop (tests.agent_loop: KVBlockPool + KVSidecarAgent),
+The writer is a real engine-like loop (tests.support.agent_loop: KVBlockPool + KVSidecarAgent),
 so every field the agent supports is populated, as in production.
 """
 
@@ -15,8 +15,8 @@ import sys
 import yaml
 
 from tests.conftest import REPO
-from tests.daemon.scrape import fetch, samples
-from tests.procs import start_daemon, wait_for
+from tests.support.procs import start_daemon, wait_for
+from tests.support.scrape import fetch, samples
 
 from .promql_names import (
     PROMETHEUS_SYNTHETIC,
@@ -41,7 +41,7 @@ def _scraped_names(shm_dir: str) -> set[str]:
     # A file the daemon refuses (a FIFO), so the per-file refusal series is in the scrape.
     os.mkfifo(os.path.join(shm_dir, "kvsidecar.refused"))
     engine = subprocess.Popen(
-        [sys.executable, "-m", "tests.agent_loop", shm_dir, "200"],
+        [sys.executable, "-m", "tests.support.agent_loop", shm_dir, "200"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,

@@ -34,7 +34,7 @@ from kvsidecar.bench import sglang as sb
 from kvsidecar.bench import vllm as vb
 from tests.engines import sglang_server as ss
 from tests.engines.envs import engine_python
-from tests.procs import wait_for
+from tests.support.procs import wait_for
 
 # A server start (up to 90 s on a loaded 2-core host) plus a 90 s settle fit, not 300 s.
 pytestmark = pytest.mark.timeout(900)

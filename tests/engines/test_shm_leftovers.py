@@ -20,7 +20,7 @@ from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
 from tests.conftest import REPO
 from tests.engines.envs import engine_python, vllm_server_env
-from tests.shm_leftovers import (
+from tests.support.shm_leftovers import (
     RUN_TOKEN,
     SHM,
     ShmLeftoverWarning,
@@ -68,7 +68,7 @@ def kill_group(proc: subprocess.Popen) -> None:
 
 def wait_unheld(paths: list[str], timeout: float = 10.0) -> None:
     """The group's forked child dies a moment after its leader is reaped."""
-    from tests.procs import wait_for
+    from tests.support.procs import wait_for
 
     assert wait_for(lambda: not set(paths) & set(held_paths()), timeout, 0.05)
 

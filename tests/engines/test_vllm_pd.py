@@ -25,10 +25,10 @@ import pytest
 from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
 from kvsidecar.daemon import gateway_body as gb
-from tests import picker
 from tests.engines.envs import engine_python
 from tests.engines.vllm_helpers import pd
-from tests.procs import wait_for
+from tests.support import picker
+from tests.support.procs import wait_for
 
 LEASE_S = 12  # kv_lease_duration: short, so the expiry scenarios take seconds
 DELAY_S = 3.0  # the proxy's wait before decode in the held scenario

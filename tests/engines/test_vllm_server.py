@@ -20,8 +20,8 @@ import pytest
 
 from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
-from tests import picker
 from tests.engines.envs import engine_python, vllm_server_env
+from tests.support import picker
 
 # Long enough that the oldest hold outlives the age check's 1 s sleep however late a
 # loaded host lets the test read it (at 4 s it read 3.72 s, and the hold expired mid-check).
@@ -185,7 +185,7 @@ def test_vllm_server_metrics_agree_and_held_kv_is_visible(stack):
 # -- the gateway endpoint (--gateway.listen-address) ---------------------------------------
 # The gateway endpoint against a real vLLM server (the `stack` of test_vllm_server.py: the
 # plugin loaded by its entry point, `kvsidecar serve --gateway.listen-address`): both bodies
-# read as the endpoint picker reads them (tests/picker.py), with vLLM's built-in engine
+# read as the endpoint picker reads them (tests/support/picker.py), with vLLM's built-in engine
 # config, must give the same queue, running, usage, block size and block count.
 #
 # Settled points (nothing moving: vLLM's own value equal before and after the gateway was

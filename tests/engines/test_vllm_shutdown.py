@@ -22,7 +22,7 @@ import pytest
 from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
 from tests.engines.envs import engine_python, vllm_server_env
-from tests.procs import wait_for
+from tests.support.procs import wait_for
 
 SEGMENT = "kvsidecar.vllm.dp0.tp0.pp0"
 

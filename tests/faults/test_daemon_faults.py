@@ -13,10 +13,9 @@ import pytest
 from kvsidecar.bench.fleet import fd_count, map_count
 from kvsidecar.protocol import layout
 from tests.conftest import REPO
-from tests.daemon.scrape import fetch, samples, value
-from tests.procs import start_daemon, wait_for
-
-from .writers import fork_writer, stop
+from tests.support.procs import start_daemon, wait_for
+from tests.support.scrape import fetch, samples, value
+from tests.support.writers import fork_writer, stop
 
 GOOD = "kvsidecar.good.dp0.tp0.pp0"
 
@@ -197,7 +196,7 @@ def test_64_segments_appearing_and_disappearing(shm_dir: str, served) -> None:
 def test_daemon_sigkilled_and_restarted_while_the_engine_runs(shm_dir: str) -> None:
     """The engine's steps do not slow down when its daemon dies or comes back."""
     engine = subprocess.Popen(
-        [sys.executable, "-m", "tests.agent_loop", shm_dir, "500"],
+        [sys.executable, "-m", "tests.support.agent_loop", shm_dir, "500"],
         stdout=subprocess.PIPE,
         text=True,
         cwd=REPO,

@@ -19,11 +19,10 @@ import time
 import pytest
 
 from kvsidecar.bench.fleet import proc_stat
-from kvsidecar.bench.hostile_writers import CHURN
-from tests.daemon.scrape import fetch, samples, value
-from tests.procs import start_daemon, wait_for
-
-from .writers import fork_writer, stop
+from tests.attacks.hostile_writers import CHURN
+from tests.support.procs import start_daemon, wait_for
+from tests.support.scrape import fetch, samples, value
+from tests.support.writers import fork_writer, stop
 
 GOOD = "kvsidecar.good.dp0.tp0.pp0"
 NOBODY = 65534

@@ -13,20 +13,20 @@ import os
 import time
 from pathlib import Path
 
-from kvsidecar.bench.discover_flood import (
+from kvsidecar.bench.fleet import proc_stat
+from kvsidecar.daemon.targets import MAX_REFUSED
+from tests.attacks.discover_flood import (
     NOBODY,
     SETTLE_S,
     cpu_share,
     make_foreign_files,
     start_churn,
 )
-from kvsidecar.bench.fleet import proc_stat
-from kvsidecar.daemon.targets import MAX_REFUSED
-from tests.daemon.scrape import value
-from tests.procs import wait_for
+from tests.support.procs import wait_for
+from tests.support.scrape import value
+from tests.support.writers import fork_writer, stop
 
 from .test_discovery_faults import GOOD, _shutdown, _start, metrics
-from .writers import fork_writer, stop
 
 ROOT = os.getuid() == 0
 UID = NOBODY if ROOT else -1  # -1: symlinks

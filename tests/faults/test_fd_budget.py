@@ -13,12 +13,12 @@ import os
 import resource
 
 from kvsidecar.bench.fleet import fd_count
-from kvsidecar.bench.hostile_clients import _probe
-from kvsidecar.bench.hostile_fds import IdleClients, fork_writers, kill, run_fdlimit
 from kvsidecar.protocol.reader import FDS_PER_SEGMENT, SegmentReader
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.procs import start_daemon, wait_for
-from tests.protocol_helpers import sample_snapshot
+from tests.attacks.hostile_clients import _probe
+from tests.attacks.hostile_fds import IdleClients, fork_writers, kill, run_fdlimit
+from tests.support.procs import start_daemon, wait_for
+from tests.support.protocol_helpers import sample_snapshot
 
 
 def _fds() -> int:

@@ -9,7 +9,7 @@ import signal
 
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import close_for_writers
-from tests.faults.writers import fork_writer
+from tests.support.writers import fork_writer
 
 
 def _kill(pid: int) -> None:

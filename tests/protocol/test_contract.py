@@ -15,9 +15,8 @@ from kvsidecar.protocol import layout, names
 from kvsidecar.protocol.reader import Stale, WriterDead, read_segment
 from kvsidecar.protocol.schema import Capabilities, KVCachePoolSnapshot, current_capabilities
 from kvsidecar.protocol.writer import SegmentError, SegmentWriter
-from tests.faults.writers import _fork
-
-from ..protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
+from tests.support.writers import _fork
 
 NAME = "kvsidecar.contract.dp0"
 

@@ -30,8 +30,8 @@ from kvsidecar.protocol.schema import (
     to_dict,
 )
 from kvsidecar.protocol.writer import SegmentWriter
+from tests.support.protocol_helpers import sample_snapshot
 
-from ..protocol_helpers import sample_snapshot
 from . import doc_reader
 from .test_doc_reader import _patch, _slot_base
 

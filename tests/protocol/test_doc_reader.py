@@ -15,8 +15,7 @@ import pytest
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.conftest import REPO
-
-from ..protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 
 def test_documented_offsets_match_layout() -> None:
@@ -63,7 +62,7 @@ def test_independent_reader_from_the_doc(shm_dir: str) -> None:
 
 from kvsidecar.protocol import reader as ours  # noqa: E402
 from kvsidecar.protocol.schema import to_dict  # noqa: E402
-from tests.faults.writers import fork_writer, stop  # noqa: E402
+from tests.support.writers import fork_writer, stop  # noqa: E402
 
 from . import doc_reader  # noqa: E402
 

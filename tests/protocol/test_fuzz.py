@@ -15,8 +15,7 @@ from kvsidecar.protocol import layout
 from kvsidecar.protocol.reader import ReadError, Reading, SegmentReader
 from kvsidecar.protocol.schema import Snapshot, decode_snapshot, encode_snapshot
 from kvsidecar.protocol.writer import SegmentWriter
-
-from ..protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 CASES = int(os.environ.get("KVSIDECAR_FUZZ_CASES", "10000"))  # `make fuzz`: 100,000
 CORPUS = os.path.join(os.path.dirname(__file__), "corpus")

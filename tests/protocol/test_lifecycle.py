@@ -24,9 +24,8 @@ from kvsidecar.protocol.reader import (
     read_segment,
 )
 from kvsidecar.protocol.writer import SegmentBusyError, SegmentError, SegmentWriter, ShmFullError
-
-from ..procs import start_writer, wait_for
-from ..protocol_helpers import sample_snapshot
+from tests.support.procs import start_writer, wait_for
+from tests.support.protocol_helpers import sample_snapshot
 
 NAME = "kvsidecar.life.dp0"
 
@@ -180,7 +179,7 @@ def test_fork_child_does_not_keep_writer_alive(shm_dir: str) -> None:
     script = r"""
 import os, sys, time
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 w = SegmentWriter(sys.argv[1], shm_dir=sys.argv[2])
 w.publish(sample_snapshot(1))
 pid = os.fork()

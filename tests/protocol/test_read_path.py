@@ -9,7 +9,7 @@ import pytest
 from kvsidecar.protocol import _seqlock, layout
 from kvsidecar.protocol.reader import _READ_FIELDS, Reading, SegmentReader
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 NAME = "kvsidecar.test.readpath"
 

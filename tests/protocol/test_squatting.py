@@ -20,9 +20,8 @@ from kvsidecar.protocol import names, writer
 from kvsidecar.protocol.reader import Reading, SegmentReader, WriterDead, read_segment
 from kvsidecar.protocol.writer import SegmentError, SegmentWriter
 from tests.conftest import REPO
-
-from ..procs import start_writer, wait_for
-from ..protocol_helpers import sample_snapshot
+from tests.support.procs import start_writer, wait_for
+from tests.support.protocol_helpers import sample_snapshot
 
 NAME = "kvsidecar.squat.dp0"
 OTHER_UID = 54321  # a uid that is not ours (files are chown'ed to it; needs root)

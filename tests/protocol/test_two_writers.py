@@ -13,8 +13,7 @@ import os
 
 from kvsidecar.protocol.reader import Reading, read_segment
 from kvsidecar.protocol.writer import SegmentBusyError, SegmentWriter
-
-from ..protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 ROUNDS = 200
 CONTENDERS = 3

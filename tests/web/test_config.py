@@ -18,7 +18,7 @@ from kvsidecar.web.basic_auth import BasicAuth
 from kvsidecar.web.config import WebConfigError
 from kvsidecar.web.config_file import load_web_config, parse_duration, parse_web_config
 from kvsidecar.web.tls_context import build_ssl_context, peer_san_allowed
-from tests.certs import make_cert
+from tests.support.certs import make_cert
 
 REPO = Path(__file__).resolve().parents[2]
 EXAMPLE = REPO / "deploy" / "web-config.example.yml"

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.bench.fleet import start_daemon, stop_daemon
-from kvsidecar.bench.hostile_clients import _probe
 from kvsidecar.web.config import WebConfigError
 from kvsidecar.web.config_file import load_web_config
+from tests.attacks.hostile_clients import _probe
 
 
 def swap(web: Path, how: str) -> None:

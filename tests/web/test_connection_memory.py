@@ -9,12 +9,12 @@ through OpenSSL's memory BIOs 4 KB at a time. Counts and RSS, no timing.
 
 from __future__ import annotations
 
-from kvsidecar.bench.hostile_fds import run_tlsidle
 from kvsidecar.web.gate import PARKED_BYTES, PARKED_MEMORY
 from kvsidecar.web.server import (
     CONNECTION_MEMORY,
     TLS_CONNECTION_BYTES,
 )
+from tests.attacks.hostile_fds import run_tlsidle
 
 SLACK = 16  # connections accepted and not yet closed while the cap evicts
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvsidecar.bench import hostile_front as hf
 from kvsidecar.bench.fleet import start_daemon, stop_daemon
-from kvsidecar.bench.hostile_clients import _probe
+from tests.attacks import hostile_front as hf
+from tests.attacks.hostile_clients import _probe
 
 PROBE_TIMEOUT_S = 2.0  # the manifests' timeoutSeconds
 # Of the probes, answered 200 within PROBE_TIMEOUT_S. Below 1 because the test host runs

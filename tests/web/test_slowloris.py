@@ -22,9 +22,9 @@ from pathlib import Path
 import pytest
 
 from kvsidecar.bench.fleet import fd_count, start_daemon, stop_daemon
-from kvsidecar.bench.hostile_clients import Tricklers, _self_signed
 from kvsidecar.daemon.endpoints import WebServer
 from kvsidecar.web.server import CONNECTION_MEMORY, PLAIN_CONNECTION_BYTES, TLS_CONNECTION_BYTES
+from tests.attacks.hostile_clients import Tricklers, _self_signed
 from tests.web.test_server import FakeHandlers, port_of
 
 TRICKLERS = 1000

@@ -15,9 +15,9 @@ import ssl
 import tempfile
 import time
 
-from kvsidecar.bench import front_shapes as fs
-from kvsidecar.bench.hostile_clients import _daemon, _probe, _raise_nofile, _self_signed
-from kvsidecar.bench.hostile_front import web_config_for
+from tests.attacks import front_shapes as fs
+from tests.attacks.hostile_clients import _daemon, _probe, _raise_nofile, _self_signed
+from tests.attacks.hostile_front import web_config_for
 
 PROBES = 20
 PROBE_TIMEOUT_S = 2.0  # a kubelet waits 1 s; twice that for a shared CI host

@@ -38,7 +38,7 @@ import bcrypt
 
 from kvsidecar import settings
 from kvsidecar.bench.fleet import proc_stat
-from kvsidecar.bench.hostile_clients import (
+from tests.attacks.hostile_clients import (
     Tricklers,
     _daemon,
     _probe,
@@ -46,7 +46,7 @@ from kvsidecar.bench.hostile_clients import (
     _self_signed,
     _summary,
 )
-from kvsidecar.bench.hostile_front import SlowReaders, rsa_self_signed, web_config_for
+from tests.attacks.hostile_front import SlowReaders, rsa_self_signed, web_config_for
 
 __all__ = ["SHAPES", "run_frontshapes"]
 

@@ -29,7 +29,7 @@ from functools import partial
 from typing import Any
 
 from kvsidecar.bench.fleet import proc_stat, start_daemon, stop_daemon
-from kvsidecar.bench.hostile_writers import _kill, good_writer
+from tests.attacks.hostile_writers import _kill, good_writer
 
 MB = 1024 * 1024
 SETTLE_S = 2.5  # > the daemon's _MTIME_SETTLE_NS

@@ -11,7 +11,7 @@ from kvsidecar.bench import fleet
 WRITER_SCRIPT = r"""
 import sys, time
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 name, shm_dir, period = sys.argv[1], sys.argv[2], float(sys.argv[3])
 w = SegmentWriter(name, shm_dir=shm_dir)
 step = 1
@@ -56,8 +56,8 @@ def wait_for(predicate, timeout: float = 30.0, interval: float = 0.01) -> bool:
 def start_rank(
     name: str, shm_dir: str, dp: int = 0, pools: int = 2, period: float = 0.01
 ) -> tuple[subprocess.Popen, int]:
-    """Start tests.rank_writer for one rank; returns it and its incarnation."""
-    args = ["-m", "tests.rank_writer", name, shm_dir, str(dp), str(pools), str(period)]
+    """Start tests.support.rank_writer for one rank; returns it and its incarnation."""
+    args = ["-m", "tests.support.rank_writer", name, shm_dir, str(dp), str(pools), str(period)]
     return _start_announcing(args, "rank writer")
 
 

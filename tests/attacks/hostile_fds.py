@@ -35,9 +35,9 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvsidecar.bench.fleet import fd_count, proc_stat, start_daemon, stop_daemon
-from kvsidecar.bench.hostile_clients import _probe, _raise_nofile, _self_signed
-from kvsidecar.bench.hostile_front import ATTACK_ADDRESS, rsa_self_signed, web_config_for
 from kvsidecar.protocol.writer import SegmentWriter
+from tests.attacks.hostile_clients import _probe, _raise_nofile, _self_signed
+from tests.attacks.hostile_front import ATTACK_ADDRESS, rsa_self_signed, web_config_for
 
 FD_LIMIT = 1024
 SEGMENTS = 256
@@ -111,7 +111,7 @@ class IdleClients:
 def _writers_main(shm_dir: str, names: list[str], ready: int) -> None:
     _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))  # two descriptors a segment
-    from kvsidecar.bench.hostile_writers import realistic_snapshot
+    from tests.attacks.hostile_writers import realistic_snapshot
 
     writers = [SegmentWriter(n, shm_dir=shm_dir) for n in names]
     snap = realistic_snapshot(1)

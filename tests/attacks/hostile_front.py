@@ -33,7 +33,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvsidecar.bench.fleet import proc_stat
-from kvsidecar.bench.hostile_clients import _daemon, _probe, _raise_nofile, _summary, received
+from tests.attacks.hostile_clients import _daemon, _probe, _raise_nofile, _summary, received
 
 ATTACK_ADDRESS = "127.0.0.2"  # loopback too (127/8), but another client address
 PROBE_OK_TARGET = 0.95  # of probes answered under the mix

@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.writer import SegmentWriter
-from tests.protocol_helpers import sample_snapshot
+from tests.support.protocol_helpers import sample_snapshot
 
 
 def _fork(main: Callable[[Callable[[], None]], None], what: str) -> int:

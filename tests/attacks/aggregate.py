@@ -17,7 +17,7 @@ import time
 import urllib.request
 from typing import Any
 
-from kvsidecar.bench import hostile_writers as hw
+from tests.attacks import hostile_writers as hw
 
 MB = 1024 * 1024
 POINTS = (1, 2, 4, 8, 16, 32)

@@ -1,6 +1,6 @@
 """A real writer process standing in for one engine rank, with predictable values.
 
-Run as ``python -m tests.rank_writer NAME SHM_DIR DP_RANK POOLS PERIOD``. Values
+Run as ``python -m tests.support.rank_writer NAME SHM_DIR DP_RANK POOLS PERIOD``. Values
 are functions of dp_rank and pool index (so tests can check exact numbers)
 plus the step counter, which moves. This is the real SegmentWriter in its own
 process; only the numbers are scripted.

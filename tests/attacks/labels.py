@@ -25,7 +25,7 @@ import urllib.request
 from typing import Any
 
 from kvsidecar import settings
-from kvsidecar.bench import hostile_writers as hw
+from tests.attacks import hostile_writers as hw
 
 ENGINE = "kvsidecar.good.dp0.tp0.pp0"  # hostile_writers.good_writer's first rank
 _SEGMENT = re.compile(rb'segment="([^"]*)"')

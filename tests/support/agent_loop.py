@@ -1,6 +1,6 @@
 """An engine-like loop in its own process: a KVBlockPool, deferred P/D frees, agent.step().
 
-``python -m tests.agent_loop SHM_DIR STEPS_PER_SEC`` runs until killed. Each step
+``python -m tests.support.agent_loop SHM_DIR STEPS_PER_SEC`` runs until killed. Each step
 admits a request sharing a prefix, finishes the oldest running one deferred on
 the "pd" connector, and releases deferred requests after 20 steps, so the
 deferred gauges rise and fall in a sawtooth.

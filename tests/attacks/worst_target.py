@@ -24,9 +24,9 @@ from typing import Any
 
 import msgspec
 
-from kvsidecar.bench import hostile_writers as hw
 from kvsidecar.bench.publish import realistic_snapshot
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, Snapshot
+from tests.attacks import hostile_writers as hw
 
 MB = 1024 * 1024
 # One character per UTF-8 width; 0: a double quote, 1 byte that the exposition escapes to 2.
