@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from kvsidecar import __version__
 from kvsidecar.daemon import metric_defs as md
 from kvsidecar.daemon.budget import valid_value
-from kvsidecar.daemon.targets import STATES, TargetView
+from kvsidecar.daemon.target import STATES, TargetView
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.revision import revision
 

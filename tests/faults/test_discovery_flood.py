@@ -21,7 +21,7 @@ from kvsidecar.bench.discover_flood import (
     start_churn,
 )
 from kvsidecar.bench.fleet import proc_stat
-from kvsidecar.daemon.targets import MAX_REFUSED
+from kvsidecar.daemon.refusals import MAX_REFUSED
 from tests.daemon.scrape import value
 from tests.procs import wait_for
 
