@@ -62,7 +62,7 @@ from kvsidecar.protocol.schema import (
 )
 from kvsidecar.protocol.writer import SegmentWriter
 
-log = logging.getLogger("kvsidecar.agent")
+log = logging.getLogger(__name__)
 
 
 # An argument with no environment twin (read from an empty mapping).

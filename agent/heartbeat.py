@@ -18,7 +18,7 @@ import time
 
 from kvsidecar.protocol.writer import SegmentWriter
 
-log = logging.getLogger("kvsidecar.agent")
+log = logging.getLogger(__name__)
 
 # How long stop() waits for the thread: it wakes at once from its event, so this is a bound
 # on a heartbeat write in progress (microseconds), not a delay anyone normally sees.

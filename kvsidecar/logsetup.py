@@ -1,6 +1,6 @@
 """``--log.level`` and ``--log.format`` as the Prometheus exporters have them (promslog).
 
-``logfmt`` (default) writes ``time=... level=info source=kvsidecar.targets msg="..."``,
+``logfmt`` (default) writes ``time=... level=info source=kvsidecar.daemon.target msg="..."``,
 ``json`` one object per line. Either way every control character of a message is escaped
 (`kvsidecar.cli.options.printable`): log lines carry engine-supplied strings (segment
 errors, decode messages), and a raw ESC or CR would reach whoever tails the log.

@@ -245,7 +245,7 @@ def test_log_lines_escape_control_characters() -> None:
         buf = io.StringIO()
         setup_logging("info", fmt, stream=buf)
         try:
-            logging.getLogger("kvsidecar.targets").warning("%s: corrupt", nasty)
+            logging.getLogger("kvsidecar.daemon.target").warning("%s: corrupt", nasty)
         finally:
             setup_logging("warn", "logfmt", stream=sys.stderr)
         line = buf.getvalue()
@@ -256,10 +256,11 @@ def test_log_lines_escape_control_characters() -> None:
 
 def test_exporter_self_metrics_and_the_flag_that_disables_them(shm_dir: str) -> None:
     from kvsidecar.daemon.app import Daemon
+    from kvsidecar.daemon.config import Discovery
     from kvsidecar.daemon.targets import TargetSet
 
     for keep in (True, False):
-        ts = TargetSet(shm_dir)
+        ts = TargetSet(Discovery(shm_dir))
         ts.poll_all()
         body = Daemon(ts, exporter_metrics=keep).metrics("")[0].decode()
         om = Daemon(ts, exporter_metrics=keep).metrics("application/openmetrics-text")[0]
@@ -319,10 +320,11 @@ def test_serve_refuses_a_bad_segment_name(shm_dir: str) -> None:
 
 def test_landing_page_lists_each_link_once(shm_dir: str) -> None:
     from kvsidecar.daemon.app import Daemon
+    from kvsidecar.daemon.config import Discovery
     from kvsidecar.daemon.endpoints import WebServer
     from kvsidecar.daemon.targets import TargetSet
 
-    server = WebServer(Daemon(TargetSet(shm_dir)), ["127.0.0.1:0"])
+    server = WebServer(Daemon(TargetSet(Discovery(shm_dir))), ["127.0.0.1:0"])
     page = server.landing_page().decode()
     hrefs = re.findall(r'href="([^"]+)"', page)
     assert len(hrefs) == len(set(hrefs)), hrefs

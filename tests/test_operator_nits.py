@@ -16,6 +16,7 @@ from click.testing import CliRunner
 from kvsidecar.cli import options as options_mod
 from kvsidecar.cli.dump import render_table
 from kvsidecar.cli.main import main
+from kvsidecar.daemon.config import Discovery, Tuning
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.support.protocol_helpers import sample_snapshot
@@ -33,7 +34,10 @@ def test_target_log_lines(shm_dir: str, caplog) -> None:
     with open(os.path.join(shm_dir, "kvsidecar.bad"), "wb") as f:
         f.write(b"NOTASEG!" + b"\0" * 8192)
     os.mkdir(os.path.join(shm_dir, "kvsidecar.dir"))
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0, summary_interval=0)
+    ts = TargetSet(
+        Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0),
+        tuning=Tuning(summary_interval=0),
+    )
     try:
         with caplog.at_level(logging.INFO, logger="kvsidecar"):
             ts.poll_all()
@@ -55,7 +59,7 @@ def test_table_without_pools_and_at_80_columns(shm_dir: str) -> None:
     w = SegmentWriter(NAME, shm_dir=shm_dir)
     try:
         w.publish(sample_snapshot(3, pools=0))
-        ts = TargetSet(shm_dir, prefix="kvsidecar.")
+        ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar."))
         ts.poll_all()
         text = render_table(ts.views(), 160)
         assert "POOL" not in text and "(no pools registered)" in text
@@ -102,12 +106,12 @@ def test_bench_help_names_the_variables_it_reads() -> None:
 
 
 def test_serve_says_it_waits_for_the_default_directory(monkeypatch, caplog) -> None:
-    from kvsidecar.daemon import targets as targets_mod
+    from kvsidecar.daemon import scan as scan_mod
 
     parent = tempfile.mkdtemp(prefix="kvsidecar-default-")
     missing = os.path.join(parent, "kvsidecar")
-    monkeypatch.setattr(targets_mod, "DEFAULT_SHM_DIR", missing)
-    ts = TargetSet(missing, prefix="kvsidecar.", rediscover_interval=0.0)
+    monkeypatch.setattr(scan_mod, "DEFAULT_SHM_DIR", missing)
+    ts = TargetSet(Discovery(missing, prefix="kvsidecar.", rediscover_interval=0.0))
     try:
         with caplog.at_level(logging.INFO, logger="kvsidecar"):
             ts.poll_all()

@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import os
 
+from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.writer import SegmentWriter
@@ -79,7 +80,7 @@ def test_refused_names_are_bounded_and_a_version_refusal_comes_first(shm_dir: st
         for i in range(6):  # sort before NEW by name
             os.mkfifo(os.path.join(shm_dir, f"kvsidecar.a{i}"))
         _newer_major_copy(shm_dir, OLD, NEW)
-        ts = TargetSet(shm_dir, prefix="kvsidecar.", max_targets=4)
+        ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar.", max_targets=4))
         ts.poll_all()
         assert ts.refused_count == 7
         assert ts.refused_by_reason() == {"not_regular": 6, "version": 1}
@@ -116,7 +117,7 @@ def test_a_refused_file_named_in_dump_and_serve_is_what_section_8_says(shm_dir: 
         r = cli("dump", "--shm-dir", shm_dir, NEW)
         assert r.returncode == 1 and r.stdout == "", r
         assert f"kvsidecar: refused {NEW}: " in r.stderr and "matching" in r.stderr, r.stderr
-        ts = TargetSet(shm_dir, names=[NEW], stale_after=3600)
+        ts = TargetSet(Discovery(shm_dir, names=(NEW,)), polling=Polling(stale_after=3600))
         try:
             ts.poll_all()
             view = ts.targets[NEW].view
@@ -150,7 +151,7 @@ def test_a_refused_file_named_in_dump_and_serve_is_what_section_8_says(shm_dir: 
 def test_section_8_names_every_refusal_reason_as_the_daemon_counts_it() -> None:
     """Issue 30 item 7: the list said a version mismatch counts as `unreadable` (it is
     `version`) and left out `admission`."""
-    from kvsidecar.daemon.targets import REFUSAL_REASONS
+    from kvsidecar.daemon.refusals import REFUSAL_REASONS
 
     paragraph = _section8().split("**A refused file.**", 1)[1].split("**", 1)[0]
     missing = [r for r in REFUSAL_REASONS if f"`{r}`" not in paragraph]

@@ -31,7 +31,8 @@ from kvsidecar.cli.options import (
 )
 
 if TYPE_CHECKING:
-    from kvsidecar.daemon.targets import TargetSet, TargetView
+    from kvsidecar.daemon.target import TargetView
+    from kvsidecar.daemon.targets import TargetSet
 
 # The daemon's modules (prometheus_client, msgspec) are imported when a command runs, not
 # when the CLI loads: `kvsidecar --help` stays light.
@@ -47,17 +48,20 @@ def _targets(
     allowed: frozenset[int] | None,
     report_refused: bool = True,
 ) -> TargetSet:
+    from kvsidecar.daemon.config import Discovery, Polling, Tuning
     from kvsidecar.daemon.targets import TargetSet
 
     require_dir(shm_dir)
     _quiet_per_target_lines()
     ts = TargetSet(
-        shm_dir,
-        prefix=prefix if pattern is None else "",
-        pattern=pattern,
-        stale_after=stale_after,
-        allowed_uids=allowed,
-        summary_interval=float("inf"),
+        Discovery(
+            shm_dir,
+            prefix=prefix if pattern is None else "",
+            pattern=pattern,
+            allowed_uids=allowed,
+        ),
+        polling=Polling(stale_after=stale_after),
+        tuning=Tuning(summary_interval=float("inf")),
     )
     ts.poll_all()
     for name, why in sorted(ts.refused.items()) if report_refused else ():
@@ -81,9 +85,10 @@ def _quiet_per_target_lines() -> None:
     """ls and dump print each segment once, as a row: the daemon's per-segment log lines
     (found, corrupt, gone) would reach a terminal too (Python's last-resort handler), so
     every bad file showed twice (issue 33 item 7)."""
-    targets_log = logging.getLogger("kvsidecar.targets")
-    if _drop_per_target not in targets_log.filters:
-        targets_log.addFilter(_drop_per_target)
+    from kvsidecar.daemon.target import log as target_log  # NameThrottle's lines
+
+    if _drop_per_target not in target_log.filters:
+        target_log.addFilter(_drop_per_target)
 
 
 def _none_found(shm_dir: str, which: str) -> str:
@@ -117,7 +122,7 @@ def render_table(views: list[TargetView], width: int = 160) -> str:
     terminal), and the name column is as wide as the longest name: names differ at the end
     (``...pp0``/``...pp1``), so they are never cut.
     """
-    from kvsidecar.daemon.targets import UP
+    from kvsidecar.daemon.target import UP
 
     now = time.monotonic_ns()
     w = max([34, *(len(printable(v.name)) for v in views)])

@@ -2,30 +2,25 @@
 
 from __future__ import annotations
 
-import errno
-import logging
-import os
-import signal
-import sys
-import time
+from typing import TYPE_CHECKING, Any
 
 import click
 
-from kvsidecar import __version__, settings
+from kvsidecar import settings
 from kvsidecar.cli.options import (
-    EXIT_USAGE,
     allowed_uids,
-    dir_problem,
     prefix_option,
     printable,
     shm_dir_option,
     trust_options,
 )
-from kvsidecar.logsetup import log_options, setup_logging
+from kvsidecar.logsetup import log_options
 from kvsidecar.otlp.options import otlp_options
 from kvsidecar.protocol.names import InvalidName, validate_name
 from kvsidecar.settings import DEFAULT_LISTEN
-from kvsidecar.stopflag import StopFlag
+
+if TYPE_CHECKING:
+    from kvsidecar.daemon.config import ServeConfig
 
 # schema.ROLES, written out: importing the schema would load msgspec for --help
 # (tests/daemon/test_gateway.py checks they are equal).
@@ -307,287 +302,66 @@ def _telemetry_path(value: str) -> str:
 )
 @otlp_options
 @log_options
-def serve(
-    shm_dir: str,
-    prefix: str,
-    segments: tuple[str, ...],
-    poll_interval: float,
-    stale_after: float,
-    rediscover_interval: float,
-    listen_addresses: tuple[str, ...],
-    systemd_socket: bool,
-    web_config_file: str | None,
-    telemetry_path: str,
-    max_requests: int,
-    connection_memory: int,
-    gateway_address: tuple[str, int] | None,
-    gateway_ranks: int,
-    gateway_role: str | None,
-    gateway_max_connections: int,
-    allow_uids: tuple[int, ...],
-    allow_any_uid: bool,
-    ready_requires_source: bool,
-    hold_on_error: bool,
-    allow_root: bool,
-    disable_exporter_metrics: bool,
-    max_targets: int,
-    max_pools_per_rank: int,
-    max_label_length: int,
-    max_series_per_target: int,
-    max_exposition_bytes: int,
-    max_payload_bytes: int,
-    max_new_targets: int,
-    new_target_interval: float,
-    log_level: str,
-    log_format: str,
-    **otlp: object,  # --otlp.* (kvsidecar/otlp/options.py)
-) -> None:
+def serve(**options: Any) -> None:
     """Serve every segment's snapshots: Prometheus /metrics, JSON and health endpoints."""
-    from kvsidecar.daemon.admission import Admission
-    from kvsidecar.daemon.app import Daemon
+    from kvsidecar.daemon.run import run
+
+    o = dict(options)
+    log_level, log_format = o.pop("log_level"), o.pop("log_format")
+    run(serve_config(o), log_level, log_format)
+
+
+def serve_config(o: dict[str, Any]) -> ServeConfig:
+    """The flags (their click names), dealt once into the daemon's records
+    (daemon/config.py); `o` is emptied, and a flag no record takes is an error."""
     from kvsidecar.daemon.budget import Budget
-    from kvsidecar.daemon.endpoints import WebServer
-    from kvsidecar.daemon.malloc import bound_malloc
-    from kvsidecar.daemon.targets import TargetSet
-    from kvsidecar.protocol.reader import FDS_PER_SEGMENT
-    from kvsidecar.web.config import WebConfigError
-    from kvsidecar.web.config_file import load_web_config
-    from kvsidecar.web.sockets import raise_fd_limit
-    from kvsidecar.web.stats import HTTPStats
+    from kvsidecar.daemon.config import (
+        Discovery,
+        GatewayOptions,
+        Polling,
+        ServeConfig,
+        WebOptions,
+    )
 
-    bound_malloc()  # before any thread: RSS near what is held (daemon/malloc.py)
-    setup_logging(log_level, log_format)
-    log = logging.getLogger("kvsidecar")
-    # Exporter convention: SIGHUP reloads the web config and the daemon keeps serving
-    # (the default action would kill it). Handled in the main loop: a reload takes locks.
-    hangups: list[int] = []
-    signal.signal(signal.SIGHUP, lambda signum, _frame: hangups.append(signum))
-    # First of all: a SIGTERM during start-up must stop it (with --hold-on-error too, where a
-    # start error then exits at once), and one that follows the first answered probe must
-    # shut down cleanly, not find the default action (exit -15, nothing flushed).
-    stopping = StopFlag()
-    received: list[int] = []
-
-    def stop(signum: int, _frame: object) -> None:
-        received.append(signum)
-        stopping.set()
-
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    # A --hold-on-error retry execs with these blocked (pending ones kept): handled from here.
-    signal.pthread_sigmask(signal.SIG_UNBLOCK, _HELD_SIGNALS)
-    # A missing default directory only means no engine has started yet (the agent creates
-    # it): serve and wait, as under systemd at boot. Any other missing directory is a typo.
-    if (problem := dir_problem(shm_dir)) is not None:
-        _start_error(problem)
-        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-    # Env twins of repeatable flags are space-separated (click splits them).
-    addresses = [a for item in listen_addresses for a in item.split()]
-    listen_sockets: list = []
-    if systemd_socket:
-        from kvsidecar.web.systemd_socket import SystemdSocketError
-        from kvsidecar.web.systemd_socket import listen_sockets as passed
-
-        try:
-            listen_sockets = passed()
-        except SystemdSocketError as e:
-            _start_error(str(e))
-            _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-        addresses = []  # exporter-toolkit: the passed sockets replace the listen addresses
-    try:
-        web_config = load_web_config(web_config_file) if web_config_file else None
-    except WebConfigError as e:
-        _start_error(str(e))
-        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-    allowed = allowed_uids(allow_uids, allow_any_uid)
-    targets = TargetSet(
-        shm_dir,
-        prefix=prefix,
-        names=list(segments),
-        stale_after=stale_after,
-        poll_interval=poll_interval,
-        rediscover_interval=rediscover_interval,
-        allowed_uids=allowed,
-        budget=Budget(
-            max_payload_bytes=max_payload_bytes,
-            max_pools_per_rank=max_pools_per_rank,
-            max_label_length=max_label_length,
-            max_series_per_target=max_series_per_target,
-            max_exposition_bytes=max_exposition_bytes,
+    keys = ("gateway_address", "gateway_ranks", "gateway_role", "gateway_max_connections")
+    gateway = [o.pop(k) for k in keys]  # GatewayOptions' fields, in order
+    rediscover_interval = o.pop("rediscover_interval")
+    config = ServeConfig(
+        discovery=Discovery(
+            o.pop("shm_dir"),
+            prefix=o.pop("prefix"),
+            names=o.pop("segments"),
+            allowed_uids=allowed_uids(o.pop("allow_uids"), o.pop("allow_any_uid")),
+            max_targets=o.pop("max_targets"),
+            rediscover_interval=rediscover_interval,
+            confirm_after=rediscover_interval,
         ),
-        max_targets=max_targets,
-        confirm_after=rediscover_interval,
-        admission=Admission(max_new_targets, new_target_interval),
+        polling=Polling(poll_interval=o.pop("poll_interval"), stale_after=o.pop("stale_after")),
+        budget=Budget(
+            max_payload_bytes=o.pop("max_payload_bytes"),
+            max_pools_per_rank=o.pop("max_pools_per_rank"),
+            max_label_length=o.pop("max_label_length"),
+            max_series_per_target=o.pop("max_series_per_target"),
+            max_exposition_bytes=o.pop("max_exposition_bytes"),
+        ),
+        web=WebOptions(
+            # Env twins of repeatable flags are space-separated (click splits them).
+            listen_addresses=tuple(a for item in o.pop("listen_addresses") for a in item.split()),
+            systemd_socket=o.pop("systemd_socket"),
+            config_file=o.pop("web_config_file"),
+            telemetry_path=o.pop("telemetry_path"),
+            max_requests=o.pop("max_requests"),
+            connection_memory=o.pop("connection_memory"),
+            exporter_metrics=not o.pop("disable_exporter_metrics"),
+            ready_requires_source=o.pop("ready_requires_source"),
+        ),
+        gateway=None if gateway[0] is None else GatewayOptions(*gateway),
+        max_new_targets=o.pop("max_new_targets"),
+        new_target_interval=o.pop("new_target_interval"),
+        otlp={k: o.pop(k) for k in [k for k in o if k.startswith("otlp_")]},  # otlp/options.py
+        hold_on_error=o.pop("hold_on_error"),
+        allow_root=o.pop("allow_root"),
     )
-    raise_fd_limit()  # every HTTP connection is an fd: 1,000 of them need more than 1,024
-    stats = HTTPStats()
-    daemon = Daemon(
-        targets,
-        http_stats=stats,
-        ready_requires_source=ready_requires_source,
-        exporter_metrics=not disable_exporter_metrics,
-    )
-    # The OTLP push (kvsidecar/otlp/push.py), checked before any port is bound; started
-    # after the first poll, on its own threads, off the serving path.
-    from kvsidecar.daemon.collector import rank_instances
-    from kvsidecar.otlp.options import OtlpConfigError, build_push
-
-    try:
-        daemon.otlp_pusher = build_push(
-            otlp, daemon.collector.collect, lambda: rank_instances(targets.views())
-        )
-    except OtlpConfigError as e:
-        _start_error(str(e))
-        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-    # Bound before the main port answers: once /-/healthy does, polls find a listener.
-    gateway = None
-    if gateway_address is not None:
-        from kvsidecar.daemon.gateway import GatewayListenError, start_gateway
-
-        try:
-            gateway = start_gateway(
-                targets,
-                gateway_address,
-                ranks=gateway_ranks,
-                role=gateway_role,
-                max_connections=gateway_max_connections,
-            )
-        except GatewayListenError as e:
-            _start_error(str(e))
-            _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-        daemon.gateway_server = gateway
-    try:
-        server = WebServer(
-            daemon,
-            addresses,
-            telemetry_path=telemetry_path,
-            web_config=web_config,
-            max_requests=max_requests,
-            connection_memory=connection_memory,
-            stats=stats,
-            # A new engine's segment must still open when clients hold every connection.
-            reserved_fds=max_targets * FDS_PER_SEGMENT,
-            version=__version__,
-            listen_sockets=listen_sockets,
-        )
-        server.start()
-    except (OSError, ValueError, WebConfigError) as e:
-        why = str(e)
-        if isinstance(e, OSError) and e.errno == errno.EADDRINUSE:
-            why = (
-                "port in use by another process: pass --web.listen-address "
-                f"({settings.WEB_LISTEN_ADDRESS.name}) with a free port, "
-                f"e.g. :{_suggest(addresses)}"
-            )
-        _start_error(f"cannot listen on {' '.join(addresses)}: {why}")
-        if gateway is not None:
-            gateway.shutdown()
-        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-    # Warned once serving is sure: a start-up error stays the one line that names its fix.
-    if not allow_root:
-        warn_if_root(log)
-    targets.poll_all()
-    targets.start()
-    if daemon.otlp_pusher is not None:
-        daemon.otlp_pusher.start()
-    scheme = "https" if server.tls else "http"
-    log.info(
-        "kvsidecar %s serving %s on %s (%s), shm_dir=%s prefix=%s",
-        __version__,
-        telemetry_path,
-        " ".join(server.addresses),
-        scheme,
-        shm_dir,
-        prefix,
-    )
-    if gateway is not None:
-        log.info(
-            "gateway endpoint (model-server protocol, not for Prometheus) on %s",
-            " ".join(f"{a}=dp_rank {r}" for r, a in enumerate(gateway.addresses)),
-        )
-    while not stopping.wait(0.2):
-        if hangups:
-            hangups.clear()
-            log.info("received SIGHUP, reloading the web config")
-            server.reload()
-    log.info("received %s, shutting down", signal.Signals(received[0]).name)
-    if gateway is not None:
-        gateway.shutdown()
-    server.shutdown()
-    if daemon.otlp_pusher is not None:
-        daemon.otlp_pusher.stop()
-    targets.stop()
-
-
-def warn_if_root(log: logging.Logger) -> None:
-    """One warning line when serving as root (the exporter convention): the daemon only
-    reads the segments and serves HTTP, so root only widens what a bug in either could
-    reach. Root that is intended (a container whose user is root anyway, the tests) says
-    so with --allow-root / KVSIDECAR_ALLOW_ROOT."""
-    if os.geteuid() == 0:
-        log.warning(
-            "running as root: the daemon needs only read access to the segments (the "
-            "engine's group, docs/operations.md); run it as an unprivileged user, or pass "
-            "--allow-root (%s=1) if root is intended",
-            settings.ALLOW_ROOT.name,
-        )
-
-
-def _start_error(message: str) -> None:
-    """A start-up error, in --log.format like every other line (issue 33 item 2): under
-    Kubernetes with --hold-on-error these are the only lines explaining a silent sidecar."""
-    logging.getLogger("kvsidecar").error("%s", message)
-
-
-_HELD_SIGNALS = {signal.SIGTERM, signal.SIGINT, signal.SIGHUP}
-HOLD_RETRY_MIN_S, HOLD_RETRY_MAX_S = 1.0, 60.0
-
-
-def _exit(code: int, hold: bool, stopping: StopFlag, hangups: list[int]) -> None:
-    """Exit with ``code`` now, or with --hold-on-error once SIGTERM/SIGINT arrives (set
-    ``stopping``; one that came during start-up counts): the error is already on stderr, and
-    a process that stays up keeps a Kubernetes sidecar "started" and ready, so the engine
-    starts and keeps serving (docs/operations.md). Meanwhile the whole start is retried,
-    after a back-off or at once on SIGHUP (a fixed web config): holding for ever left a
-    sidecar that had lost a 4-second port race serving nothing until restarted."""
-    if hold and not stopping.is_set():
-        delay = min(HOLD_RETRY_MAX_S, max(HOLD_RETRY_MIN_S, _held_seconds() / 2))
-        logging.getLogger("kvsidecar").warning(
-            "--hold-on-error: staying up, not serving; retrying in %.0f s "
-            "(at once on SIGHUP) until SIGTERM",
-            delay,
-        )
-        deadline = time.monotonic() + delay
-        while not stopping.wait(0.2):
-            if hangups or time.monotonic() >= deadline:
-                _restart()
-    sys.exit(code)
-
-
-def _held_seconds() -> float:
-    """How long this process has been up: exec keeps its start time, so the back-off grows
-    across retries (by half each time, up to HOLD_RETRY_MAX_S) with no state to carry."""
-    try:
-        with open("/proc/self/stat") as f:
-            start_ticks = int(f.read().rpartition(")")[2].split()[19])  # field 22, starttime
-        with open("/proc/uptime") as f:
-            return float(f.read().split()[0]) - start_ticks / os.sysconf("SC_CLK_TCK")
-    except (OSError, ValueError, IndexError):
-        return 0.0
-
-
-def _restart() -> None:
-    """Run the same command again in this process (same pid, arguments, environment): the
-    directory, the web config and the port are retried from scratch, nothing half-started
-    kept. Signals stay blocked across the exec, pending ones kept, until `serve` installs
-    its handlers: a SIGTERM or SIGHUP then is neither lost nor fatal."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, _HELD_SIGNALS)
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os.execv(sys.executable, sys.orig_argv)
-
-
-def _suggest(addresses: list[str]) -> int:
-    """The first listen port plus one: something concrete to type."""
-    port = addresses[0].rpartition(":")[2] if addresses else ""
-    return int(port) + 1 if port.isdigit() and int(port) < 65535 else 0
+    if o:
+        raise TypeError(f"serve options in no record: {sorted(o)}")
+    return config

@@ -28,7 +28,8 @@ from prometheus_client.openmetrics import exposition as openmetrics
 
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import CONTENT_TYPE, render_text
-from kvsidecar.daemon.targets import UP, TargetSet, TargetView
+from kvsidecar.daemon.target import UP, TargetView
+from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.schema import to_dict
 from kvsidecar.web.stats import HTTPStats
 

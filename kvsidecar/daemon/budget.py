@@ -252,3 +252,17 @@ def sanitize(snapshot: Snapshot) -> tuple[Snapshot, dict[str, int]]:
     if not rejected:
         return snapshot, rejected
     return Snapshot(runtime=runtime, pools=pools), rejected  # type: ignore[arg-type]
+
+
+def over_total(costs: typing.Iterable[tuple[str, int]], fixed: int, limit: int) -> dict[str, int]:
+    """The aggregate budget: which of `costs` ((name, cost), by seniority, those served
+    longest first) do not fit within `limit` bytes together with `fixed` (what the others
+    cost anyway), each with the total it would have made. Each is kept while the running
+    total fits: a newcomer never sheds a senior, and one alone over `limit` is shed too."""
+    total, shed = fixed, {}
+    for name, cost in costs:
+        if total + cost <= limit:
+            total += cost
+        else:
+            shed[name] = total + cost
+    return shed

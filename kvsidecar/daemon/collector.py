@@ -22,7 +22,7 @@ from prometheus_client.core import (
 from kvsidecar import __version__
 from kvsidecar.daemon import metric_defs as md
 from kvsidecar.daemon.budget import valid_value
-from kvsidecar.daemon.targets import STATES, TargetView
+from kvsidecar.daemon.target import STATES, TargetView
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.revision import revision
 
@@ -168,24 +168,22 @@ class SnapshotCollector:
     # -- health -----------------------------------------------------------------
 
     def _sources(self, views: list[TargetView], now: int) -> Iterator[Metric]:
-        defs = {m.name: m for m in md.SOURCE}
+        def fam(metric: md.MetricDef, extra: tuple[str, ...] = ()) -> Metric:
+            return _family(metric, (*md.RANK_LABELS, *extra))
 
-        def fam(name: str, extra: tuple[str, ...] = ()) -> Metric:
-            return _family(defs[name], (*md.RANK_LABELS, *extra))
-
-        up = fam("kvsidecar_source_up")
-        state = fam("kvsidecar_source_state", ("state",))
-        age = fam("kvsidecar_source_snapshot_age_seconds")
-        restarts = fam("kvsidecar_source_writer_restarts_total")
-        retries = fam("kvsidecar_source_read_retries_total")
-        decode = fam("kvsidecar_source_decode_errors_total")
-        errors = fam("kvsidecar_source_read_errors_total", ("kind",))
-        publish_errors = fam("kvsidecar_source_publish_errors_total")
-        generation = fam("kvsidecar_source_generation")
-        seq = fam("kvsidecar_source_last_sequence")
-        budget = fam("kvsidecar_source_budget_refusals_total", ("limit",))
-        rejected = fam("kvsidecar_source_rejected_values_total", ("field",))
-        duplicates = fam("kvsidecar_source_duplicate_pools")
+        up = fam(md.SOURCE_UP)
+        state = fam(md.SOURCE_STATE, ("state",))
+        age = fam(md.SOURCE_SNAPSHOT_AGE_SECONDS)
+        restarts = fam(md.SOURCE_WRITER_RESTARTS_TOTAL)
+        retries = fam(md.SOURCE_READ_RETRIES_TOTAL)
+        decode = fam(md.SOURCE_DECODE_ERRORS_TOTAL)
+        errors = fam(md.SOURCE_READ_ERRORS_TOTAL, ("kind",))
+        publish_errors = fam(md.SOURCE_PUBLISH_ERRORS_TOTAL)
+        generation = fam(md.SOURCE_GENERATION)
+        seq = fam(md.SOURCE_LAST_SEQUENCE)
+        budget = fam(md.SOURCE_BUDGET_REFUSALS_TOTAL, ("limit",))
+        rejected = fam(md.SOURCE_REJECTED_VALUES_TOTAL, ("field",))
+        duplicates = fam(md.SOURCE_DUPLICATE_POOLS)
         for view in views:
             labels = rank_labels(view)
             up.add_metric(labels, 1.0 if view.up else 0.0)
@@ -219,55 +217,54 @@ class SnapshotCollector:
         yield from (budget, rejected, duplicates)
 
     def _daemon(self, views: list[TargetView]) -> Iterator[Metric]:
-        defs = {m.name: m for m in md.DAEMON}
-        sources = _family(defs["kvsidecar_sources"], ())
+        sources = _family(md.SOURCES, ())
         sources.add_metric([], len(views))
         yield sources
-        build = InfoMetricFamily("kvsidecar_build", defs["kvsidecar_build_info"].help)
+        build = InfoMetricFamily(md.BUILD_INFO.name.removesuffix("_info"), md.BUILD_INFO.help)
         build.add_metric([], {"version": __version__, "revision": revision()})
         yield build
         if self._daemon_stats is not None:
             stats = self._daemon_stats()
-            poll = _family(defs["kvsidecar_poll_duration_seconds"], ())
+            poll = _family(md.POLL_DURATION_SECONDS, ())
             poll.add_metric([], stats["last_poll_duration_s"])
-            polls = _family(defs["kvsidecar_polls_total"], ())
+            polls = _family(md.POLLS_TOTAL, ())
             polls.add_metric([], stats["polls_total"])
-            refused = _family(defs["kvsidecar_refused_segments"], ())
+            refused = _family(md.REFUSED_SEGMENTS, ())
             refused.add_metric([], stats.get("refused", 0))
             yield poll
             yield polls
             yield refused
-            refusals = _family(defs["kvsidecar_segment_refusals_total"], ("reason",))
+            refusals = _family(md.SEGMENT_REFUSALS_TOTAL, ("reason",))
             for reason, n in sorted(stats.get("refusals", {}).items()):
                 refusals.add_metric([reason], n)
             yield refusals
-            discovery_up = _family(defs["kvsidecar_discovery_up"], ())
+            discovery_up = _family(md.DISCOVERY_UP, ())
             discovery_up.add_metric([], 0.0 if stats.get("discovery_error") else 1.0)
             yield discovery_up
-            errors = _family(defs["kvsidecar_discovery_errors_total"], ("cause",))
+            errors = _family(md.DISCOVERY_ERRORS_TOTAL, ("cause",))
             for cause, n in sorted(stats.get("discovery_errors", {}).items()):
                 errors.add_metric([cause], n)
             yield errors
             # By reason only: a file name is a label value its creator would choose.
-            by_reason = _family(defs["kvsidecar_refused_segments_by_reason"], ("reason",))
+            by_reason = _family(md.REFUSED_SEGMENTS_BY_REASON, ("reason",))
             for reason, n in sorted(stats.get("refused_by_reason", {}).items()):
                 by_reason.add_metric([reason], n)
             yield by_reason
-            waiting = _family(defs["kvsidecar_targets_waiting"], ())
+            waiting = _family(md.TARGETS_WAITING, ())
             waiting.add_metric([], stats.get("waiting", 0))
             yield waiting
-            unremembered = _family(defs["kvsidecar_refused_segments_unremembered"], ())
+            unremembered = _family(md.REFUSED_SEGMENTS_UNREMEMBERED, ())
             unremembered.add_metric([], stats.get("unremembered", 0))
             yield unremembered
             if stats.get("gateway") is not None:
-                yield from _gateway_families(stats["gateway"], defs)
+                yield from _gateway_families(stats["gateway"])
             if stats.get("otlp") is not None:  # {reason: n}, only while the push is on
-                dropped = _family(defs["kvsidecar_otlp_dropped_batches_total"], ("reason",))
+                dropped = _family(md.OTLP_DROPPED_BATCHES_TOTAL, ("reason",))
                 for reason, n in sorted(stats["otlp"].items()):
                     dropped.add_metric([reason], n)
                 yield dropped
         if self._http_stats is not None:
-            yield from _http_families(self._http_stats(), defs)
+            yield from _http_families(self._http_stats())
 
 
 def _deferred_blocks(pools: list[KVCachePoolSnapshot]) -> int | None:
@@ -328,26 +325,26 @@ def _deferred_age(p: KVCachePoolSnapshot, labels: list[str], age, now_mono_ns: i
     age.add_metric(labels, max(0, now_mono_ns - since) / 1e9 if since > 0 else 0.0)
 
 
-def _gateway_families(stats: dict, defs: dict[str, md.MetricDef]) -> Iterator[Metric]:
+def _gateway_families(stats: dict) -> Iterator[Metric]:
     """stats: {"requests": {code: n}, "closed": {reason: n}, "connections": n}."""
-    req = _family(defs["kvsidecar_gateway_requests_total"], ("code",))
+    req = _family(md.GATEWAY_REQUESTS_TOTAL, ("code",))
     for code, n in sorted(stats["requests"].items()):
         req.add_metric([str(code)], n)
-    conns = _family(defs["kvsidecar_gateway_connections"], ())
+    conns = _family(md.GATEWAY_CONNECTIONS, ())
     conns.add_metric([], stats["connections"])
-    closed = _family(defs["kvsidecar_gateway_connections_closed_total"], ("reason",))
+    closed = _family(md.GATEWAY_CONNECTIONS_CLOSED_TOTAL, ("reason",))
     for reason, n in sorted(stats["closed"].items()):
         closed.add_metric([reason], n)
     yield from (req, conns, closed)
 
 
-def _http_families(stats: dict, defs: dict[str, md.MetricDef]) -> Iterator[Metric]:
+def _http_families(stats: dict) -> Iterator[Metric]:
     """stats: {"requests": {(handler, code): n}, "durations": {handler: (buckets, sum)}}."""
-    req = _family(defs["kvsidecar_http_requests_total"], ("handler", "code"))
+    req = _family(md.HTTP_REQUESTS_TOTAL, ("handler", "code"))
     for (handler, code), n in sorted(stats.get("requests", {}).items()):
         req.add_metric([handler, str(code)], n)
     yield req
-    dur_def = defs["kvsidecar_http_request_duration_seconds"]
+    dur_def = md.HTTP_REQUEST_DURATION_SECONDS
     dur = HistogramMetricFamily(dur_def.name, dur_def.help, labels=("handler",))
     for handler, (buckets, total) in sorted(stats.get("durations", {}).items()):
         dur.add_metric([handler], buckets=buckets, sum_value=total)

@@ -22,8 +22,10 @@ import socket
 import time
 from collections.abc import Sequence
 
+from kvsidecar.daemon.config import GatewayOptions
 from kvsidecar.daemon.gateway_body import CONTENT_TYPE, render, timeless
-from kvsidecar.daemon.targets import Target, TargetSet
+from kvsidecar.daemon.target import Target
+from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.reader import Reading
 from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS
 from kvsidecar.web.poll_server import PollServer, Route
@@ -118,17 +120,10 @@ class GatewayListenError(Exception):
     """A gateway listener could not be bound; the message names the address and the fix."""
 
 
-def start_gateway(
-    targets: TargetSet,
-    address: tuple[str, int],
-    *,
-    ranks: int = 1,
-    role: str | None = None,
-    max_connections: int = 256,
-) -> PollServer:
+def start_gateway(targets: TargetSet, options: GatewayOptions) -> PollServer:
     """Bind one listener per DP rank (port, port + 1, ...) and serve them on a thread of
     their own. Port 0 binds the first on any free port and the others on free ports too."""
-    host, port = address
+    (host, port), ranks = options.address, options.ranks
     socks: list[socket.socket] = []
     try:
         for rank in range(ranks):
@@ -148,10 +143,10 @@ def start_gateway(
         for s in socks:
             s.close()
         raise
-    gateway = Gateway(targets, role=role)
+    gateway = Gateway(targets, role=options.role)
     server = PollServer(
         list(zip(socks, gateway.routes(ranks))),
-        max_connections=max_connections,
+        max_connections=options.max_connections,
         name="kvsidecar-gateway",
     )
     server.start()

@@ -568,227 +568,257 @@ DP: tuple[MetricDef, ...] = (
     ),
 )
 
+SOURCE_UP = MetricDef(
+    "kvsidecar_source_up",
+    GAUGE,
+    "",
+    "1 if the segment's writer is alive and its snapshot fresh; 0 if stale, dead, "
+    "corrupt, refused or not ready (then no per-rank values are exported).",
+)
+SOURCE_STATE = MetricDef(
+    "kvsidecar_source_state",
+    GAUGE,
+    "",
+    "1 for the target's current state (label state: up, stale, dead, corrupt, "
+    "not_ready, refused), 0 for the others.",
+)
+SOURCE_SNAPSHOT_AGE_SECONDS = MetricDef(
+    "kvsidecar_source_snapshot_age_seconds",
+    GAUGE,
+    "seconds",
+    "Seconds since the writer last showed progress (a new heartbeat or snapshot), on the "
+    "daemon's clock: a writer in another time namespace reads its true age, not its "
+    "clock offset (its own age is believed at first sight, up to just past "
+    "--stale-after); exported in every state.",
+)
+SOURCE_WRITER_RESTARTS_TOTAL = MetricDef(
+    "kvsidecar_source_writer_restarts_total",
+    COUNTER,
+    "restarts",
+    "Writer restarts observed (a new incarnation under the same name).",
+)
+SOURCE_READ_RETRIES_TOTAL = MetricDef(
+    "kvsidecar_source_read_retries_total",
+    COUNTER,
+    "retries",
+    "Seqlock read retries (the writer lapped the reader).",
+)
+SOURCE_DECODE_ERRORS_TOTAL = MetricDef(
+    "kvsidecar_source_decode_errors_total",
+    COUNTER,
+    "errors",
+    "Reads rejected as corrupt (bad CRC, layout, payload).",
+)
+SOURCE_READ_ERRORS_TOTAL = MetricDef(
+    "kvsidecar_source_read_errors_total",
+    COUNTER,
+    "errors",
+    "Failed reads by kind (label kind).",
+)
+SOURCE_PUBLISH_ERRORS_TOTAL = MetricDef(
+    "kvsidecar_source_publish_errors_total",
+    COUNTER,
+    "errors",
+    "Publishes the agent counted as failed, read from the segment header (layout "
+    "v1.1), so it moves even when no snapshot gets through; the reason is in the "
+    "target's error and the engine log. Exported once a snapshot was read; before "
+    'that a failing agent shows as read_errors_total{kind="publish_failing"}.',
+)
+SOURCE_GENERATION = MetricDef(
+    "kvsidecar_source_generation",
+    GAUGE,
+    "",
+    "Generation of the segment (1 + its dead predecessor's).",
+)
+SOURCE_LAST_SEQUENCE = MetricDef(
+    "kvsidecar_source_last_sequence",
+    GAUGE,
+    "",
+    "Sequence number of the last good snapshot (publishes since start).",
+)
+SOURCE_BUDGET_REFUSALS_TOTAL = MetricDef(
+    "kvsidecar_source_budget_refusals_total",
+    COUNTER,
+    "reads",
+    "Reads refused because the segment exceeds the target's budget (label limit: "
+    "payload_bytes, pools, label_length, series; flags --max-*), or because all "
+    "targets together exceed --max-exposition-bytes and this one is among the largest "
+    "(limit total); the target is then in state refused and exports health series "
+    "only.",
+)
+SOURCE_REJECTED_VALUES_TOTAL = MetricDef(
+    "kvsidecar_source_rejected_values_total",
+    COUNTER,
+    "values",
+    "Values dropped from snapshots (of the wrong type, null in a non-null field, "
+    "negative, NaN/Inf or >= 2^63: schema.md, Values), by field (label field, e.g. "
+    "pool.allocated_blocks), once per snapshot; the series is omitted as if unsupported.",
+)
+SOURCE_DUPLICATE_POOLS = MetricDef(
+    "kvsidecar_source_duplicate_pools",
+    GAUGE,
+    "pools",
+    "Pools of the last snapshot whose (pool_name, group_id) repeats an earlier pool's; "
+    'they are exported as pool="<name>#<n>" (n = 2, 3, ... in payload order), so no '
+    "series is ever duplicated.",
+)
 SOURCE: tuple[MetricDef, ...] = (
-    MetricDef(
-        "kvsidecar_source_up",
-        GAUGE,
-        "",
-        "1 if the segment's writer is alive and its snapshot fresh; 0 if stale, dead, "
-        "corrupt, refused or not ready (then no per-rank values are exported).",
-    ),
-    MetricDef(
-        "kvsidecar_source_state",
-        GAUGE,
-        "",
-        "1 for the target's current state (label state: up, stale, dead, corrupt, "
-        "not_ready, refused), 0 for the others.",
-    ),
-    MetricDef(
-        "kvsidecar_source_snapshot_age_seconds",
-        GAUGE,
-        "seconds",
-        "Seconds since the writer last showed progress (a new heartbeat or snapshot), on the "
-        "daemon's clock: a writer in another time namespace reads its true age, not its "
-        "clock offset (its own age is believed at first sight, up to just past "
-        "--stale-after); exported in every state.",
-    ),
-    MetricDef(
-        "kvsidecar_source_writer_restarts_total",
-        COUNTER,
-        "restarts",
-        "Writer restarts observed (a new incarnation under the same name).",
-    ),
-    MetricDef(
-        "kvsidecar_source_read_retries_total",
-        COUNTER,
-        "retries",
-        "Seqlock read retries (the writer lapped the reader).",
-    ),
-    MetricDef(
-        "kvsidecar_source_decode_errors_total",
-        COUNTER,
-        "errors",
-        "Reads rejected as corrupt (bad CRC, layout, payload).",
-    ),
-    MetricDef(
-        "kvsidecar_source_read_errors_total",
-        COUNTER,
-        "errors",
-        "Failed reads by kind (label kind).",
-    ),
-    MetricDef(
-        "kvsidecar_source_publish_errors_total",
-        COUNTER,
-        "errors",
-        "Publishes the agent counted as failed, read from the segment header (layout "
-        "v1.1), so it moves even when no snapshot gets through; the reason is in the "
-        "target's error and the engine log. Exported once a snapshot was read; before "
-        'that a failing agent shows as read_errors_total{kind="publish_failing"}.',
-    ),
-    MetricDef(
-        "kvsidecar_source_generation",
-        GAUGE,
-        "",
-        "Generation of the segment (1 + its dead predecessor's).",
-    ),
-    MetricDef(
-        "kvsidecar_source_last_sequence",
-        GAUGE,
-        "",
-        "Sequence number of the last good snapshot (publishes since start).",
-    ),
-    MetricDef(
-        "kvsidecar_source_budget_refusals_total",
-        COUNTER,
-        "reads",
-        "Reads refused because the segment exceeds the target's budget (label limit: "
-        "payload_bytes, pools, label_length, series; flags --max-*), or because all "
-        "targets together exceed --max-exposition-bytes and this one is among the largest "
-        "(limit total); the target is then in state refused and exports health series "
-        "only.",
-    ),
-    MetricDef(
-        "kvsidecar_source_rejected_values_total",
-        COUNTER,
-        "values",
-        "Values dropped from snapshots (of the wrong type, null in a non-null field, "
-        "negative, NaN/Inf or >= 2^63: schema.md, Values), by field (label field, e.g. "
-        "pool.allocated_blocks), once per snapshot; the series is omitted as if unsupported.",
-    ),
-    MetricDef(
-        "kvsidecar_source_duplicate_pools",
-        GAUGE,
-        "pools",
-        "Pools of the last snapshot whose (pool_name, group_id) repeats an earlier pool's; "
-        'they are exported as pool="<name>#<n>" (n = 2, 3, ... in payload order), so no '
-        "series is ever duplicated.",
-    ),
+    SOURCE_UP,
+    SOURCE_STATE,
+    SOURCE_SNAPSHOT_AGE_SECONDS,
+    SOURCE_WRITER_RESTARTS_TOTAL,
+    SOURCE_READ_RETRIES_TOTAL,
+    SOURCE_DECODE_ERRORS_TOTAL,
+    SOURCE_READ_ERRORS_TOTAL,
+    SOURCE_PUBLISH_ERRORS_TOTAL,
+    SOURCE_GENERATION,
+    SOURCE_LAST_SEQUENCE,
+    SOURCE_BUDGET_REFUSALS_TOTAL,
+    SOURCE_REJECTED_VALUES_TOTAL,
+    SOURCE_DUPLICATE_POOLS,
 )
 
+REFUSED_SEGMENTS = MetricDef(
+    "kvsidecar_refused_segments",
+    GAUGE,
+    "",
+    "Files in the shm directory matching the prefix that the daemon does not follow now "
+    "(symlink, FIFO, foreign owner, unreadable, newer major version, over --max-targets); "
+    "the log summarizes why. Exact as of the last listing, those beyond the remembered "
+    "16,384 included (kvsidecar_refused_segments_unremembered).",
+)
+SEGMENT_REFUSALS_TOTAL = MetricDef(
+    "kvsidecar_segment_refusals_total",
+    COUNTER,
+    "files",
+    "Discovered files refused, each counted once per file identity (label reason: "
+    "symlink, not_regular, foreign_owner, version = a newer major version, unreadable, "
+    "vanished = gone before it could be read, max_targets = over --max-targets, admission = "
+    "a new name that had to wait for --max-new-targets, counted once per target). The "
+    "files still refused are counted by reason in kvsidecar_refused_segments_by_reason; "
+    "their names are in the log, `kvsidecar ls` and /api/v1/snapshots, never in a label "
+    "(whoever can create a file would choose it). A lower bound while "
+    "kvsidecar_refused_segments_unremembered > 0: files beyond the remembered ones are "
+    "not counted.",
+)
+DISCOVERY_UP = MetricDef(
+    "kvsidecar_discovery_up",
+    GAUGE,
+    "",
+    "1 if the last scan of the shm directory succeeded; 0 while it fails (known targets "
+    "are still served; /-/ready and the log say why).",
+)
+DISCOVERY_ERRORS_TOTAL = MetricDef(
+    "kvsidecar_discovery_errors_total",
+    COUNTER,
+    "errors",
+    "Failed scans of the shm directory, and segments that could not be opened for lack "
+    "of descriptors or memory, by errno name (label cause, e.g. EACCES, EMFILE).",
+)
+SOURCES = MetricDef("kvsidecar_sources", GAUGE, "", "Segments currently followed.")
+BUILD_INFO = MetricDef(
+    "kvsidecar_build_info",
+    INFO,
+    "",
+    "kvsidecar version and source revision (labels version, revision: a git commit, or "
+    "unknown); value 1.",
+)
+POLL_DURATION_SECONDS = MetricDef(
+    "kvsidecar_poll_duration_seconds",
+    GAUGE,
+    "seconds",
+    "Duration of the last poll of every segment.",
+)
+POLLS_TOTAL = MetricDef("kvsidecar_polls_total", COUNTER, "polls", "Poll cycles run.")
+HTTP_REQUESTS_TOTAL = MetricDef(
+    "kvsidecar_http_requests_total",
+    COUNTER,
+    "requests",
+    "HTTP requests served (labels handler, code).",
+)
+HTTP_REQUEST_DURATION_SECONDS = MetricDef(
+    "kvsidecar_http_request_duration_seconds",
+    HISTOGRAM,
+    "seconds",
+    "HTTP request duration (label handler).",
+)
+GATEWAY_REQUESTS_TOTAL = MetricDef(
+    "kvsidecar_gateway_requests_total",
+    COUNTER,
+    "requests",
+    "Polls answered on the gateway listeners (--gateway.listen-address), by status code "
+    "(label code): 200 with a rank's fresh numbers, 503 for a rank that is not up. No "
+    "series while the gateway is off.",
+)
+GATEWAY_CONNECTIONS = MetricDef(
+    "kvsidecar_gateway_connections",
+    GAUGE,
+    "connections",
+    "Open connections on the gateway listeners (at most --gateway.max-connections).",
+)
+GATEWAY_CONNECTIONS_CLOSED_TOTAL = MetricDef(
+    "kvsidecar_gateway_connections_closed_total",
+    COUNTER,
+    "connections",
+    "Gateway connections the daemon closed (label reason: evicted = made room for a "
+    "newcomer at the cap, refused = the cap was full of responses in flight, slow_head, "
+    "slow_reader, idle, error).",
+)
+REFUSED_SEGMENTS_BY_REASON = MetricDef(
+    "kvsidecar_refused_segments_by_reason",
+    GAUGE,
+    "files",
+    "Files the daemon found and does not follow now, among those remembered, by reason "
+    "(label reason: version = a newer major layout/schema version, unreadable, symlink, "
+    "not_regular, foreign_owner, max_targets, ...). Which files: the log, `kvsidecar ls`, "
+    "/api/v1/snapshots (refused). Replaces kvsidecar_refused_file{file}, whose label "
+    "value any user who could create a file chose (3,072-3,840 values in 15 s).",
+)
+TARGETS_WAITING = MetricDef(
+    "kvsidecar_targets_waiting",
+    GAUGE,
+    "",
+    "Segments followed but not exported yet: new names waiting for admission "
+    "(--max-new-targets, then one per --new-target-interval; live and longest-followed "
+    "first). No series carries their names until they are admitted.",
+)
+REFUSED_SEGMENTS_UNREMEMBERED = MetricDef(
+    "kvsidecar_refused_segments_unremembered",
+    GAUGE,
+    "",
+    "Refused files of the last listing beyond the 16,384 the daemon remembers (its memory "
+    "stays bounded however many files others create): each is refused again from an "
+    "lstat at every listing, never followed, and not counted in "
+    "kvsidecar_segment_refusals_total.",
+)
+OTLP_DROPPED_BATCHES_TOTAL = MetricDef(
+    "kvsidecar_otlp_dropped_batches_total",
+    COUNTER,
+    "batches",
+    "OTLP push batches lost (--otlp.endpoint; docs/otlp.md), by reason (label reason: "
+    "queue_full = the oldest unsent batch dropped from the bounded queue while the "
+    "collector was slow or unreachable, send_failed = the exporter gave up on a batch "
+    "after its retries: refused, timed out, TLS or HTTP error; the log names it). No "
+    "series while the push is off.",
+)
 DAEMON: tuple[MetricDef, ...] = (
-    MetricDef(
-        "kvsidecar_refused_segments",
-        GAUGE,
-        "",
-        "Files in the shm directory matching the prefix that the daemon does not follow now "
-        "(symlink, FIFO, foreign owner, unreadable, newer major version, over --max-targets); "
-        "the log summarizes why. Exact as of the last listing, those beyond the remembered "
-        "16,384 included (kvsidecar_refused_segments_unremembered).",
-    ),
-    MetricDef(
-        "kvsidecar_segment_refusals_total",
-        COUNTER,
-        "files",
-        "Discovered files refused, each counted once per file identity (label reason: "
-        "symlink, not_regular, foreign_owner, version = a newer major version, unreadable, "
-        "vanished = gone before it could be read, max_targets = over --max-targets, admission = "
-        "a new name that had to wait for --max-new-targets, counted once per target). The "
-        "files still refused are counted by reason in kvsidecar_refused_segments_by_reason; "
-        "their names are in the log, `kvsidecar ls` and /api/v1/snapshots, never in a label "
-        "(whoever can create a file would choose it). A lower bound while "
-        "kvsidecar_refused_segments_unremembered > 0: files beyond the remembered ones are "
-        "not counted.",
-    ),
-    MetricDef(
-        "kvsidecar_discovery_up",
-        GAUGE,
-        "",
-        "1 if the last scan of the shm directory succeeded; 0 while it fails (known targets "
-        "are still served; /-/ready and the log say why).",
-    ),
-    MetricDef(
-        "kvsidecar_discovery_errors_total",
-        COUNTER,
-        "errors",
-        "Failed scans of the shm directory, and segments that could not be opened for lack "
-        "of descriptors or memory, by errno name (label cause, e.g. EACCES, EMFILE).",
-    ),
-    MetricDef("kvsidecar_sources", GAUGE, "", "Segments currently followed."),
-    MetricDef(
-        "kvsidecar_build_info",
-        INFO,
-        "",
-        "kvsidecar version and source revision (labels version, revision: a git commit, or "
-        "unknown); value 1.",
-    ),
-    MetricDef(
-        "kvsidecar_poll_duration_seconds",
-        GAUGE,
-        "seconds",
-        "Duration of the last poll of every segment.",
-    ),
-    MetricDef("kvsidecar_polls_total", COUNTER, "polls", "Poll cycles run."),
-    MetricDef(
-        "kvsidecar_http_requests_total",
-        COUNTER,
-        "requests",
-        "HTTP requests served (labels handler, code).",
-    ),
-    MetricDef(
-        "kvsidecar_http_request_duration_seconds",
-        HISTOGRAM,
-        "seconds",
-        "HTTP request duration (label handler).",
-    ),
-    MetricDef(
-        "kvsidecar_gateway_requests_total",
-        COUNTER,
-        "requests",
-        "Polls answered on the gateway listeners (--gateway.listen-address), by status code "
-        "(label code): 200 with a rank's fresh numbers, 503 for a rank that is not up. No "
-        "series while the gateway is off.",
-    ),
-    MetricDef(
-        "kvsidecar_gateway_connections",
-        GAUGE,
-        "connections",
-        "Open connections on the gateway listeners (at most --gateway.max-connections).",
-    ),
-    MetricDef(
-        "kvsidecar_gateway_connections_closed_total",
-        COUNTER,
-        "connections",
-        "Gateway connections the daemon closed (label reason: evicted = made room for a "
-        "newcomer at the cap, refused = the cap was full of responses in flight, slow_head, "
-        "slow_reader, idle, error).",
-    ),
-    MetricDef(
-        "kvsidecar_refused_segments_by_reason",
-        GAUGE,
-        "files",
-        "Files the daemon found and does not follow now, among those remembered, by reason "
-        "(label reason: version = a newer major layout/schema version, unreadable, symlink, "
-        "not_regular, foreign_owner, max_targets, ...). Which files: the log, `kvsidecar ls`, "
-        "/api/v1/snapshots (refused). Replaces kvsidecar_refused_file{file}, whose label "
-        "value any user who could create a file chose (3,072-3,840 values in 15 s).",
-    ),
-    MetricDef(
-        "kvsidecar_targets_waiting",
-        GAUGE,
-        "",
-        "Segments followed but not exported yet: new names waiting for admission "
-        "(--max-new-targets, then one per --new-target-interval; live and longest-followed "
-        "first). No series carries their names until they are admitted.",
-    ),
-    MetricDef(
-        "kvsidecar_refused_segments_unremembered",
-        GAUGE,
-        "",
-        "Refused files of the last listing beyond the 16,384 the daemon remembers (its memory "
-        "stays bounded however many files others create): each is refused again from an "
-        "lstat at every listing, never followed, and not counted in "
-        "kvsidecar_segment_refusals_total.",
-    ),
-    MetricDef(
-        "kvsidecar_otlp_dropped_batches_total",
-        COUNTER,
-        "batches",
-        "OTLP push batches lost (--otlp.endpoint; docs/otlp.md), by reason (label reason: "
-        "queue_full = the oldest unsent batch dropped from the bounded queue while the "
-        "collector was slow or unreachable, send_failed = the exporter gave up on a batch "
-        "after its retries: refused, timed out, TLS or HTTP error; the log names it). No "
-        "series while the push is off.",
-    ),
+    REFUSED_SEGMENTS,
+    SEGMENT_REFUSALS_TOTAL,
+    DISCOVERY_UP,
+    DISCOVERY_ERRORS_TOTAL,
+    SOURCES,
+    BUILD_INFO,
+    POLL_DURATION_SECONDS,
+    POLLS_TOTAL,
+    HTTP_REQUESTS_TOTAL,
+    HTTP_REQUEST_DURATION_SECONDS,
+    GATEWAY_REQUESTS_TOTAL,
+    GATEWAY_CONNECTIONS,
+    GATEWAY_CONNECTIONS_CLOSED_TOTAL,
+    REFUSED_SEGMENTS_BY_REASON,
+    TARGETS_WAITING,
+    REFUSED_SEGMENTS_UNREMEMBERED,
+    OTLP_DROPPED_BATCHES_TOTAL,
 )
 
 ALL: tuple[MetricDef, ...] = (*RUNTIME, ENGINE_INFO, *POOL, *POOL_DERIVED, *DP, *SOURCE, *DAEMON)

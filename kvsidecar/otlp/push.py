@@ -19,7 +19,7 @@ from opentelemetry.sdk.metrics.export import MetricExporter, MetricExportResult,
 from kvsidecar.otlp.convert import Delta, to_metrics_data
 from kvsidecar.otlp.errors import Causes, explain
 
-log = logging.getLogger("kvsidecar.otlp")
+log = logging.getLogger(__name__)
 
 
 class Pusher:

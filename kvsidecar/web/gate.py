@@ -56,7 +56,7 @@ from kvsidecar.web.tls_stream import client_random
 
 __all__ = ["FRESH_GRACE_S", "PARKED_BYTES", "Gate", "Readiness"]
 
-log = logging.getLogger("kvsidecar.web")
+log = logging.getLogger(__name__)
 
 HEALTHY_PATH = "/-/healthy"
 READY_PATH = "/-/ready"

@@ -16,7 +16,7 @@ from kvsidecar.web.config import RateLimitConfig, WebConfig, WebConfigError
 from kvsidecar.web.config_file import load_web_config
 from kvsidecar.web.tls_context import build_ssl_context
 
-log = logging.getLogger("kvsidecar.web")
+log = logging.getLogger(__name__)
 
 __all__ = ["LiveConfig", "LiveState", "TokenBucket"]
 

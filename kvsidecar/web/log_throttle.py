@@ -7,15 +7,13 @@ import time
 
 __all__ = ["Throttled"]
 
-log = logging.getLogger("kvsidecar.web")
-
 
 class Throttled:
     """One log line per ``interval_s`` at most, saying how many were held back: a flood
     of bad requests must not become a flood of log lines."""
 
-    def __init__(self, level: int, interval_s: float = 1.0) -> None:
-        self.level, self.interval_s = level, interval_s
+    def __init__(self, log: logging.Logger, level: int, interval_s: float = 1.0) -> None:
+        self.log, self.level, self.interval_s = log, level, interval_s  # the caller's logger
         self._next = 0.0
         self._held = 0
 
@@ -27,4 +25,4 @@ class Throttled:
         if self._held:
             msg += f" ({self._held} similar not logged)"
         self._next, self._held = now + self.interval_s, 0
-        log.log(self.level, msg, *args)
+        self.log.log(self.level, msg, *args)

@@ -71,7 +71,7 @@ from kvsidecar.web.tls_context import peer_san_allowed
 from kvsidecar.web.tls_stream import TLSReader, TLSWriter, handshake
 from kvsidecar.web.workers import Workers
 
-log = logging.getLogger("kvsidecar.web")
+log = logging.getLogger(__name__)
 
 __all__ = ["HEALTHY_PATH", "READY_PATH", "Render", "WebServer"]
 
@@ -255,9 +255,9 @@ class _Front:
         self.connecting: set[asyncio.Task] = set()  # strong references until set up
         self.unadmitted = 0  # accepted, not yet through _admit
         self.hellos = 0  # TLS: taken from the gate, first handshake step not yet done
-        self.log_bad = Throttled(logging.INFO)
-        self.log_loop = Throttled(logging.WARNING)
-        self.log_limit = Throttled(logging.WARNING)
+        self.log_bad = Throttled(log, logging.INFO)
+        self.log_loop = Throttled(log, logging.WARNING)
+        self.log_limit = Throttled(log, logging.WARNING)
 
     def _loop_error(self, loop: asyncio.AbstractEventLoop, context: dict[str, Any]) -> None:
         exc = context.get("exception")

@@ -11,7 +11,7 @@ import socket
 
 __all__ = ["BACKLOG", "bind", "format_address", "open_fds", "raise_fd_limit"]
 
-log = logging.getLogger("kvsidecar.web")
+log = logging.getLogger(__name__)
 
 BACKLOG = 1024  # a burst of connects waits in the kernel, not refused
 

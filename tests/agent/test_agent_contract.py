@@ -12,7 +12,7 @@ from kvsidecar.agent.agent import KVSidecarAgent
 from kvsidecar.agent.pool import KVBlockPool
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import render_text
-from kvsidecar.daemon.targets import Target
+from kvsidecar.daemon.target import Target
 from kvsidecar.protocol.reader import Reading, SegmentReader, read_segment
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 from tests.support.scrape import value

@@ -12,6 +12,7 @@ import pytest
 
 from kvsidecar.agent.agent import KVSidecarAgent
 from kvsidecar.agent.pool import KVBlockPool
+from kvsidecar.daemon.config import Discovery
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.reader import read_segment
 
@@ -39,7 +40,7 @@ def test_agent_warns_when_the_daemon_would_refuse_its_directory(
         agent.step()
         assert agent.enabled and agent.error is None  # the warning changes nothing else
         assert read_segment(agent.segment_name, shm_dir=directory).snapshot is not None
-        targets = TargetSet(directory, prefix="kvsidecar.", rediscover_interval=0.0)
+        targets = TargetSet(Discovery(directory, prefix="kvsidecar.", rediscover_interval=0.0))
         targets.poll_all()
         refused = not targets.targets
         warnings = _agent_lines(caplog, directory)

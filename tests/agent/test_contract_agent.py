@@ -146,6 +146,7 @@ def test_a_writer_keeps_within_a_default_daemons_label_budget(shm_dir: str) -> N
     """segment-format.md section 8: a long pool name and a long model name are shortened
     with a marker (issue 24: never refused); a default daemon serves the rank."""
     from kvsidecar.agent.agent import shorten
+    from kvsidecar.daemon.config import Discovery, Polling
     from kvsidecar.daemon.targets import TargetSet
     from kvsidecar.protocol.schema import MAX_LABEL_LENGTH
 
@@ -155,7 +156,9 @@ def test_a_writer_keeps_within_a_default_daemons_label_budget(shm_dir: str) -> N
         assert agent.register_pool(_pool(pool_name="p" * (MAX_LABEL_LENGTH + 1))) is True
         assert agent.register_pool(_pool(pool_name="q" * MAX_LABEL_LENGTH)) is True
         agent.step()
-        targets = TargetSet(shm_dir, names=[agent.segment_name], stale_after=3600)
+        targets = TargetSet(
+            Discovery(shm_dir, names=(agent.segment_name,)), polling=Polling(stale_after=3600)
+        )
         targets.poll_all()
         view = targets.targets[agent.segment_name].view
         targets.stop()

@@ -16,7 +16,7 @@ from kvsidecar.agent.engines.kvcached import KvcachedDictAdapter
 from kvsidecar.agent.pool import KVBlockPool
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import render_text
-from kvsidecar.daemon.targets import Target
+from kvsidecar.daemon.target import Target
 from kvsidecar.protocol.reader import read_segment
 from tests.conftest import REPO
 from tests.support.scrape import samples, value

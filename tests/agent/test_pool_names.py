@@ -9,7 +9,7 @@ from kvsidecar.agent.agent import KVSidecarAgent
 from kvsidecar.agent.pool import KVBlockPool
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import render_text
-from kvsidecar.daemon.targets import Target
+from kvsidecar.daemon.target import Target
 from kvsidecar.protocol.reader import Reading, read_segment
 from tests.support.scrape import samples
 

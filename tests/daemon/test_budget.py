@@ -15,8 +15,10 @@ import pytest
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 
 from kvsidecar.daemon.collector import SnapshotCollector
+from kvsidecar.daemon.config import Discovery
 from kvsidecar.daemon.exposition import render_text
-from kvsidecar.daemon.targets import REFUSED, UP, TargetSet
+from kvsidecar.daemon.target import REFUSED, UP
+from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.schema import RuntimeSnapshot
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.support.procs import start_daemon, wait_for
@@ -105,7 +107,7 @@ def test_bounded_decoder_builds_no_pool_records() -> None:
 
 
 def _one_target(shm_dir: str, budget) -> TargetSet:
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", budget=budget)
+    ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar."), budget=budget)
     ts.poll_all()
     return ts
 
@@ -225,7 +227,7 @@ def test_huge_directory_is_refused_before_it_is_decoded(
     w = SegmentWriter(EVIL, shm_dir=shm_dir, capabilities=huge)
     try:
         w.publish(sample_snapshot(1))
-        ts = TargetSet(shm_dir, prefix="kvsidecar.")
+        ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar."))
         ts.poll_all()
         view = ts.targets[EVIL].view
         assert view.state == "corrupt" and "directory of" in view.error, view.error

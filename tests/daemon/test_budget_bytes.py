@@ -19,8 +19,10 @@ import pytest
 from kvsidecar.bench.publish import realistic_snapshot
 from kvsidecar.daemon import budget
 from kvsidecar.daemon.collector import SnapshotCollector
+from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.exposition import render_text
-from kvsidecar.daemon.targets import NameThrottle, TargetSet, TargetView
+from kvsidecar.daemon.target import NameThrottle, TargetView
+from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.reader import Reading
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
@@ -81,7 +83,9 @@ def _states(ts: TargetSet) -> dict[str, str]:
 
 def _targets(shm_dir: str, limit: int) -> TargetSet:
     budget_ = budget.Budget(max_exposition_bytes=limit)
-    return TargetSet(shm_dir, stale_after=3600, rediscover_interval=0, budget=budget_)
+    return TargetSet(
+        Discovery(shm_dir, rediscover_interval=0), polling=Polling(stale_after=3600), budget=budget_
+    )
 
 
 def test_a_target_alone_over_the_aggregate_is_shed(shm_dir: str, writers: dict) -> None:
@@ -140,7 +144,7 @@ def test_shed_warning_is_throttled_per_target(
     try:
         ts.poll_all()
         ts.poll_all()
-        caplog.set_level(logging.WARNING, logger="kvsidecar.targets")
+        caplog.set_level(logging.WARNING, logger="kvsidecar.daemon")
         start, rounds = time.monotonic(), 40
         for i in range(rounds):  # over the budget beside `first` every other poll
             _publish(writers, shm_dir, flapping, _engine(8 if i % 2 == 0 else 1, "b"))

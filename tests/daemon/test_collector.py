@@ -8,7 +8,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.exposition import render_text
-from kvsidecar.daemon.targets import DEAD, UP, TargetView
+from kvsidecar.daemon.target import DEAD, UP, TargetView
 from kvsidecar.protocol.reader import Reading
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from tests.support.scrape import samples, value

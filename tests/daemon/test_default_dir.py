@@ -11,7 +11,8 @@ import pytest
 from click.testing import CliRunner
 
 from kvsidecar.cli.main import main
-from kvsidecar.daemon import targets as targets_mod
+from kvsidecar.daemon import scan as scan_mod
+from kvsidecar.daemon.config import Discovery
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.support.protocol_helpers import sample_snapshot
@@ -21,13 +22,13 @@ from tests.support.protocol_helpers import sample_snapshot
 def missing_default(monkeypatch: pytest.MonkeyPatch):
     parent = tempfile.mkdtemp(prefix="kvsidecar-default-", dir="/dev/shm")
     path = os.path.join(parent, "kvsidecar")  # not created: no engine has started yet
-    monkeypatch.setattr(targets_mod, "DEFAULT_SHM_DIR", path)
+    monkeypatch.setattr(scan_mod, "DEFAULT_SHM_DIR", path)
     yield path
     shutil.rmtree(parent, ignore_errors=True)
 
 
 def test_missing_default_directory_is_no_segments_then_a_segment(missing_default: str) -> None:
-    ts = TargetSet(missing_default, prefix="kvsidecar.", rediscover_interval=0.0)
+    ts = TargetSet(Discovery(missing_default, prefix="kvsidecar.", rediscover_interval=0.0))
     ts.poll_all()
     assert ts.targets == {} and ts.discovery_error == "" and ts.discovery_errors_total == {}
     os.mkdir(missing_default, 0o750)  # what the agent does when the first engine starts
@@ -39,7 +40,7 @@ def test_missing_default_directory_is_no_segments_then_a_segment(missing_default
 
 def test_a_missing_directory_that_was_named_is_still_an_error(tmp_path) -> None:
     gone = str(tmp_path / "typo")
-    ts = TargetSet(gone, prefix="kvsidecar.", rediscover_interval=0.0)
+    ts = TargetSet(Discovery(gone, prefix="kvsidecar.", rediscover_interval=0.0))
     ts.poll_all()
     assert "cannot list" in ts.discovery_error
     result = CliRunner().invoke(main, ["dump", "--shm-dir", gone])
@@ -49,7 +50,7 @@ def test_a_missing_directory_that_was_named_is_still_an_error(tmp_path) -> None:
 def test_a_clean_close_is_logged_as_one_not_as_a_crash(shm_dir: str, caplog) -> None:
     import logging
 
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0)
+    ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0))
     w = SegmentWriter("kvsidecar.eng.dp0.tp0.pp0", shm_dir=shm_dir)
     w.publish(sample_snapshot(3))
     ts.poll_all()
@@ -70,7 +71,7 @@ def test_a_clean_close_is_logged_as_one_not_as_a_crash(shm_dir: str, caplog) -> 
 def default_dir(monkeypatch: pytest.MonkeyPatch):
     parent = tempfile.mkdtemp(prefix="kvsidecar-default-", dir="/dev/shm")
     path = os.path.join(parent, "kvsidecar")
-    monkeypatch.setattr(targets_mod, "DEFAULT_SHM_DIR", path)
+    monkeypatch.setattr(scan_mod, "DEFAULT_SHM_DIR", path)
     yield path
     shutil.rmtree(parent, ignore_errors=True)
 
@@ -78,8 +79,8 @@ def default_dir(monkeypatch: pytest.MonkeyPatch):
 def _warnings(path: str, caplog: pytest.LogCaptureFixture) -> list[str]:
     import logging
 
-    ts = TargetSet(path, prefix="kvsidecar.", allowed_uids=frozenset({os.geteuid()}))
-    with caplog.at_level(logging.WARNING, logger="kvsidecar.targets"):
+    ts = TargetSet(Discovery(path, prefix="kvsidecar.", allowed_uids=frozenset({os.geteuid()})))
+    with caplog.at_level(logging.WARNING, logger="kvsidecar.daemon"):
         for _ in range(3):
             ts.discover()
     ts.stop()

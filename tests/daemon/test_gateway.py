@@ -27,6 +27,7 @@ from hypothesis import strategies as st
 
 from kvsidecar.bench.fleet import free_port, free_port_run
 from kvsidecar.daemon import gateway_body as gb
+from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.gateway import Gateway
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import layout
@@ -304,7 +305,7 @@ def test_a_refused_segment_is_never_served(shm):
 def live(shm):
     """A fast writer, a TargetSet polled every 0.25 s in the background, a reader."""
     writer = start_writer("kvsidecar.gw.dp0", shm, period=0.001)
-    targets = TargetSet(shm, poll_interval=0.25, stale_after=0.5)
+    targets = TargetSet(Discovery(shm), polling=Polling(poll_interval=0.25, stale_after=0.5))
     targets.poll_all()
     targets.start()
     reader = SegmentReader("kvsidecar.gw.dp0", shm_dir=shm)
@@ -524,7 +525,7 @@ def test_a_forgotten_target_is_never_reattached(shm):
     """The gateway may poll a Target the poller has just closed (forgotten): it must not
     reopen the segment (that descriptor would never be closed) nor serve it."""
     writer = start_writer("kvsidecar.gw.dp0", shm)
-    targets = TargetSet(shm)
+    targets = TargetSet(Discovery(shm))
     try:
         targets.poll_all()
         (target,) = targets.targets.values()

@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 from kvsidecar import settings
 from kvsidecar.daemon.admission import Admission
+from kvsidecar.daemon.config import Discovery
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.attacks import hostile_writers as hw
@@ -105,9 +106,7 @@ def test_a_known_name_returning_costs_no_token(shm_dir: str) -> None:
     back the same series: admitted at once even with no token left; a new name waits."""
     clock = Clock()
     ts = TargetSet(
-        shm_dir,
-        prefix="kvsidecar.",
-        rediscover_interval=0.0,
+        Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0),
         admission=Admission(1, 10, clock=clock),
     )
     w = _publish(shm_dir, ENGINE)
@@ -134,10 +133,7 @@ def test_live_and_longest_followed_targets_go_first(shm_dir: str) -> None:
     not an older file that was never up; a file gone while waiting was never exported."""
     clock = Clock()
     ts = TargetSet(
-        shm_dir,
-        prefix="kvsidecar.",
-        rediscover_interval=0.0,
-        confirm_after=0.0,
+        Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0, confirm_after=0.0),
         admission=Admission(1, 10, clock=clock),
     )
     first = _publish(shm_dir, "kvsidecar.first.dp0.tp0.pp0")
@@ -189,7 +185,7 @@ def test_burst_serves_a_whole_node_at_once(shm_dir: str) -> None:
     """The default burst: 64 ranks starting together are all exported on the first poll."""
     writers = [_publish(shm_dir, f"kvsidecar.node.dp{i}.tp0.pp0") for i in range(64)]
     try:
-        ts = TargetSet(shm_dir, prefix="kvsidecar.", admission=Admission())
+        ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar."), admission=Admission())
         ts.poll_all()
         assert len(ts.views()) == 64 and ts.waiting == 0
     finally:

@@ -8,6 +8,7 @@ import os
 
 import msgspec
 
+from kvsidecar.daemon.config import Discovery
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.attacks import hostile_writers as hw
@@ -31,7 +32,7 @@ def test_a_live_engine_displaces_junk_at_the_cap(shm_dir: str) -> None:
     with open(os.path.join(shm_dir, "kvsidecar.corrupt.dp0.tp0.pp0"), "wb") as f:
         f.write(os.urandom(8192))
     dead_writer(shm_dir, "kvsidecar.dead.dp0.tp0.pp0")
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0, max_targets=4)
+    ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0, max_targets=4))
     ts.poll_all()
     junk = set(ts.targets)
     assert len(junk) == 4, junk  # the cap is full of junk (5 junk files)
@@ -56,7 +57,7 @@ def test_segments_up_once_then_dead_yield_their_place(shm_dir: str) -> None:
     payload = msgspec.msgpack.encode(sample_snapshot(1))
     names = [f"kvsidecar.crash{i}.dp0.tp0.pp0" for i in range(4)]
     pids = [hw.raw_writer(shm_dir, n, payload) for n in names]
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0, max_targets=4)
+    ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0, max_targets=4))
     try:
 
         def all_up() -> bool:

@@ -8,6 +8,7 @@ import os
 
 import pytest
 
+from kvsidecar.daemon.config import Discovery
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.support.protocol_helpers import sample_snapshot
@@ -18,7 +19,7 @@ def test_world_writable_directory_is_refused(shm_dir: str, mode: int, served: bo
     os.chmod(shm_dir, mode)
     with SegmentWriter("kvsidecar.eng.dp0.tp0.pp0", shm_dir=shm_dir) as w:
         w.publish(sample_snapshot(2))
-        ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0)
+        ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0))
         ts.poll_all()
         assert bool(ts.targets) is served
         if not served:

@@ -37,11 +37,15 @@ def _flood(shm_dir: str, tag: str, foreign: bool) -> list[str]:
     names = []
     for i in range(PER_ROUND):
         name = f"kvsidecar.{tag}{i:04d}.dp0.tp0.pp0"
-        path = os.path.join(shm_dir, name)
-        with open(path, "wb") as f:
+        # Written and chowned under a name outside the prefix, then renamed into place: a
+        # file created in place is our own until the chown, and a scan in between followed
+        # it (admitted after --rediscover-interval, its name a label: the foreign_uid flake).
+        staging = os.path.join(shm_dir, f".staging-{name}")
+        with open(staging, "wb") as f:
             f.write(b"junk" * (i % 7))  # empty or short: never a valid segment
         if foreign:
-            os.chown(path, FOREIGN_UID, FOREIGN_UID)
+            os.chown(staging, FOREIGN_UID, FOREIGN_UID)
+        os.rename(staging, os.path.join(shm_dir, name))
         names.append(name)
     return names
 

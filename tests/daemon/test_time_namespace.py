@@ -18,8 +18,10 @@ import pytest
 
 from kvsidecar.daemon.app import view_record
 from kvsidecar.daemon.collector import SnapshotCollector
+from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.exposition import render_text
-from kvsidecar.daemon.targets import TargetSet, TargetView
+from kvsidecar.daemon.target import TargetView
+from kvsidecar.daemon.targets import TargetSet
 from tests.support.scrape import samples
 
 NAME = "kvsidecar.ns.dp0.tp0.pp0"
@@ -90,7 +92,10 @@ def test_liveness_by_progress_whatever_the_writer_clock(shm_dir: str, offset: st
         pytest.skip("host up for under 2 minutes: no room for a clock behind ours")
     writer = namespaced_writer(shm_dir, shift)
     try:
-        ts = TargetSet(shm_dir, prefix="kvsidecar.", stale_after=1.0, rediscover_interval=0.0)
+        ts = TargetSet(
+            Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0),
+            polling=Polling(stale_after=1.0),
+        )
         # A live writer is up (on cb621d7, one behind read stale forever).
         assert poll_until(ts, "up", 15.0) == "up"
         # Its exported age is on our clock too (issue 31 item 11: on bca725e a live writer

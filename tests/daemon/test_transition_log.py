@@ -7,6 +7,7 @@ import logging
 
 import pytest
 
+from kvsidecar.daemon.config import Discovery
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.support.protocol_helpers import sample_snapshot
@@ -17,8 +18,10 @@ NAME = "kvsidecar.flap.dp0.tp0.pp0"
 def test_a_flapping_writer_logs_a_few_lines_not_one_per_change(
     shm_dir: str, caplog: pytest.LogCaptureFixture
 ) -> None:
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0, confirm_after=0.0)
-    with caplog.at_level(logging.INFO, logger="kvsidecar.targets"):
+    ts = TargetSet(
+        Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=0.0, confirm_after=0.0)
+    )
+    with caplog.at_level(logging.INFO, logger="kvsidecar.daemon"):
         for step in range(20):  # up, closed, up, closed, ...: 40 state changes
             w = SegmentWriter(NAME, shm_dir=shm_dir)
             w.publish(sample_snapshot(step + 1))

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families as text_pars
 
 from kvsidecar.daemon.app import Daemon
 from kvsidecar.daemon.budget import identity_error
+from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
@@ -95,7 +96,7 @@ def _check_body(text: str, om: str) -> None:
 def served():
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-test-", dir="/dev/shm")
     writer = SegmentWriter(NAME, shm_dir=shm_dir)
-    targets = TargetSet(shm_dir, prefix="kvsidecar.", stale_after=3600)
+    targets = TargetSet(Discovery(shm_dir, prefix="kvsidecar."), polling=Polling(stale_after=3600))
     yield writer, targets, Daemon(targets)
     writer.close()
     shutil.rmtree(shm_dir, ignore_errors=True)

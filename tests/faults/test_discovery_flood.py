@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from kvsidecar.bench.fleet import proc_stat
-from kvsidecar.daemon.targets import MAX_REFUSED
+from kvsidecar.daemon.refusals import MAX_REFUSED
 from tests.attacks.discover_flood import (
     NOBODY,
     SETTLE_S,

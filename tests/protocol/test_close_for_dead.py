@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import signal
 
+from kvsidecar.daemon.config import Discovery
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.writer import close_for_writers
 from tests.support.writers import fork_writer
@@ -21,7 +22,7 @@ def test_killed_writers_read_as_closed_cleanly_and_others_are_untouched(shm_dir:
     killed = fork_writer("kvsidecar.killed.dp0.tp0.pp0", shm_dir)
     other_dead = fork_writer("kvsidecar.crashed.dp0.tp0.pp0", shm_dir)
     live = fork_writer("kvsidecar.live.dp0.tp0.pp0", shm_dir)
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0)
+    ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0))
     try:
         ts.poll_all()
         assert {t.view.state for t in ts.targets.values()} == {"up"}
@@ -50,7 +51,7 @@ def test_a_writer_about_to_be_killed_can_be_closed_first(shm_dir: str) -> None:
     """dead_only=False: closed while its writer still runs (vLLM is about to SIGKILL it)."""
     pid = fork_writer("kvsidecar.stopping.dp0.tp0.pp0", shm_dir)
     other = fork_writer("kvsidecar.other.dp0.tp0.pp0", shm_dir)
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0)
+    ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0))
     try:
         ts.poll_all()
         assert close_for_writers(shm_dir, {pid}) == []  # alive: not without dead_only=False
@@ -71,7 +72,7 @@ def test_a_writer_that_already_crashed_is_never_closed_before_the_kill(shm_dir: 
     """dead_only=False acts only for a writer still alive: vLLM runs the same pre-kill close
     when it cleans up after a core that crashed, and that crash must read dead (issue 30)."""
     crashed = fork_writer("kvsidecar.crashed.dp0.tp0.pp0", shm_dir)
-    ts = TargetSet(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0)
+    ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar.", rediscover_interval=3600.0))
     try:
         ts.poll_all()
         _kill(crashed)

@@ -10,6 +10,7 @@ import msgspec
 import pytest
 
 from agent import KVSidecarAgent
+from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import layout, names
 from kvsidecar.protocol.reader import Stale, WriterDead, read_segment
@@ -98,7 +99,7 @@ def test_an_engine_stepping_with_every_publish_failing_is_not_called_hung(shm_di
     try:
         assert agent.register_pool(source)
         agent.step()
-        targets = TargetSet(shm_dir, names=[NAME], stale_after=0.05)
+        targets = TargetSet(Discovery(shm_dir, names=(NAME,)), polling=Polling(stale_after=0.05))
         source.broken = True
         # Sleeping only makes the heartbeat older: a lower bound, safe on a loaded host.
         time.sleep(0.2)
@@ -138,7 +139,7 @@ def test_closed_is_the_state_byte_whether_or_not_the_file_was_unlinked(shm_dir: 
     pid = _fork(main, "closing writer")
     os.waitpid(pid, 0)
     assert os.path.exists(os.path.join(shm_dir, NAME))
-    targets = TargetSet(shm_dir, names=[NAME], stale_after=3600)
+    targets = TargetSet(Discovery(shm_dir, names=(NAME,)), polling=Polling(stale_after=3600))
     try:
         targets.poll_all()
         view = targets.targets[NAME].view

@@ -18,6 +18,7 @@ from collections.abc import Callable
 import msgspec
 import pytest
 
+from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import writer as writer_mod
 from kvsidecar.protocol.reader import SegmentReader
@@ -234,7 +235,7 @@ def _ours(shm_dir: str) -> tuple[str, dict | None, set[str]]:
     """The daemon's verdict, served snapshot and rejected fields for NAME."""
     # Named explicitly: discovery would not make a refused file a target at all (it counts
     # it in kvsidecar_segment_refusals_total instead), and the verdict is what we compare.
-    ts = TargetSet(shm_dir, names=[NAME], stale_after=3600)
+    ts = TargetSet(Discovery(shm_dir, names=(NAME,)), polling=Polling(stale_after=3600))
     try:
         ts.poll_all()
         target = ts.targets.get(NAME)
