@@ -116,12 +116,12 @@ def test_another_runs_live_engine_is_left_alone_without_a_warning():
 def test_files_that_were_there_or_are_not_ours_stay(tmp_path):
     """Only new regular files of our uid are removed: not what was there before the engine
     started, not a directory (a test's scratch dir), not another user's file."""
-    old = SHM / f"kvsidecar-test-old-{os.getpid()}"
+    old = SHM / f"psm_kvsidecar_test_old_{os.getpid()}"
     old.write_bytes(b"x")
     before = snapshot()
     scratch = SHM / f"kvsidecar-test-dir-{os.getpid()}"
     scratch.mkdir()
-    foreign = SHM / f"kvsidecar-test-foreign-{os.getpid()}"
+    foreign = SHM / f"psm_kvsidecar_test_foreign_{os.getpid()}"
     foreign.write_bytes(b"x")
     chowned = os.getuid() == 0
     if chowned:
@@ -135,6 +135,44 @@ def test_files_that_were_there_or_are_not_ours_stay(tmp_path):
         for p in (old, foreign):
             p.unlink(missing_ok=True)
         scratch.rmdir()
+
+
+def test_only_an_engines_kind_of_file_is_swept():
+    """A new unheld file of ours that no engine would name so (a test's, a tool's) stays."""
+    before = snapshot()
+    other = SHM / f"kvsidecar-test-other-{os.getpid()}"
+    other.write_bytes(b"x")
+    try:
+        assert other.name not in remove_leftovers(before, "nothing")
+        assert other.exists()
+    finally:
+        other.unlink(missing_ok=True)
+
+
+def test_a_file_being_set_up_by_another_run_stays():
+    """Another run's engine creates its segment and maps it a moment later (Python's
+    SharedMemory: create, truncate, map): a sweep that looks in between finds it unheld.
+    The second look finds its holder and the file stays (on the old sweep it was removed,
+    and the other engine's worker failed to open it: FileNotFoundError at start-up)."""
+    before = snapshot()
+    path = SHM / f"psm_kvsidecar_test_late_{os.getpid()}"
+    path.write_bytes(b"\0" * 4096)
+    other = {k: v for k, v in os.environ.items() if k != RUN_TOKEN}
+    holder = subprocess.Popen(
+        [sys.executable, "-c", f"import mmap, os, time; time.sleep(0.3); "
+         f"fd = os.open({str(path)!r}, os.O_RDWR); m = mmap.mmap(fd, 4096); "
+         "os.close(fd); time.sleep(60)"],
+        env=other,
+    )  # fmt: skip
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", ShmLeftoverWarning)
+            removed = remove_leftovers(before, "another run's engine starting")
+        assert path.name not in removed and path.exists(), removed
+    finally:
+        holder.kill()
+        holder.wait(10)
+        path.unlink(missing_ok=True)
 
 
 @pytest.mark.timeout(420)

@@ -8,13 +8,18 @@ after its pid, so what was left is found by difference: the entries of /dev/shm 
 new since a snapshot taken before the engine started, are regular files owned by us, and
 that no live process maps or holds open. A file still held stays: with a warning when the
 holder is a process of this test run (a survivor of the kill), silently when it is another
-run's engine on the host.
+run's engine on the host. Another run's engine may also be starting meanwhile: its file is
+unheld for the moment between creating and mapping it, and removing it then fails that
+engine's start (a worker opens it by name). So only the engines' own kinds of file are
+swept (`LEFTOVER_PREFIXES`), and only when a second look, `RECHECK_S` later, still finds
+no holder.
 """
 
 from __future__ import annotations
 
 import os
 import stat
+import time
 import warnings
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -25,6 +30,9 @@ import pytest
 from kvsidecar.bench.proccount import fd_targets
 
 SHM = Path("/dev/shm")
+# vLLM's (Python SharedMemory) and SGLang's names; nothing else there is an engine's leftover.
+LEFTOVER_PREFIXES = ("psm_", "sglang_loads_")
+RECHECK_S = 1.0
 
 
 class ShmLeftoverWarning(UserWarning):
@@ -67,13 +75,17 @@ def held_paths(root: Path = SHM) -> dict[str, int]:
 
 
 def remove_leftovers(before: set[str], what: str, root: Path = SHM) -> list[str]:
-    """Remove the files `what` left in `root`: new since `before`, regular, owned by our
-    uid, held by no live process. Returns the names removed; warns (ShmLeftoverWarning)
+    """Remove the files `what` left in `root`: new since `before`, named as an engine names
+    them, regular, owned by our uid, held by no live process in either of two
+    looks. Returns the names removed; warns (ShmLeftoverWarning)
     for a new file of ours that is still held or cannot be removed."""
-    new = snapshot(root) - before
+    new = {n for n in snapshot(root) - before if n.startswith(LEFTOVER_PREFIXES)}
     if not new:
         return []
     held = held_paths(root)
+    if {str(root / n) for n in new} - set(held):
+        time.sleep(RECHECK_S)  # an unheld file may be one being set up: look again
+        held = {**held_paths(root), **held}
     removed: list[str] = []
     for name in sorted(new):
         path = root / name
