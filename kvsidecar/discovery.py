@@ -6,7 +6,9 @@ import fnmatch
 import os
 from collections.abc import Iterator
 
-from kvsidecar.protocol.names import InvalidName, validate_name
+from kvsidecar import settings
+from kvsidecar.printable import printable
+from kvsidecar.protocol.names import DEFAULT_SHM_DIR, InvalidName, validate_name
 
 
 def iter_segments(
@@ -50,3 +52,21 @@ def list_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) ->
         return sorted(scan_segments(shm_dir, prefix, pattern))
     except OSError:
         return []
+
+
+def dir_problem(shm_dir: str) -> str | None:
+    """Why the segment directory is unusable, naming the option, or None. A missing
+    directory is an error (otherwise the command would report 'no segments', which sends
+    you looking elsewhere).
+
+    The default directory is the exception: the agent creates it (private, 0750) when the
+    first engine starts, so its absence means "no segment yet", not a wrong option."""
+    if shm_dir == DEFAULT_SHM_DIR and not os.path.lexists(shm_dir):
+        return None
+    if os.path.isdir(shm_dir):
+        return None
+    what = "does not exist" if not os.path.exists(shm_dir) else "is not a directory"
+    return (
+        f"--shm-dir {printable(shm_dir)} {what}: create it or point "
+        f"--shm-dir/{settings.SHM_DIR.name} at the agent's segment directory"
+    )

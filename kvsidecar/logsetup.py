@@ -18,7 +18,7 @@ from typing import Any
 import click
 
 from kvsidecar import settings
-from kvsidecar.cli.options import printable
+from kvsidecar.printable import printable
 
 LEVELS = ("debug", "info", "warn", "error")
 FORMATS = ("logfmt", "json")

@@ -49,6 +49,19 @@ def test_protocol_is_the_ground_floor() -> None:
     assert _offenders("kvsidecar/protocol", forbidden) == []
 
 
+def test_the_daemon_and_the_shared_helpers_do_not_import_the_cli() -> None:
+    """The CLI is the top floor: it wires the daemon, never the other way round (run.py
+    took exit codes and the directory check from cli.options before issue 35)."""
+    found = _offenders("kvsidecar/daemon", ("kvsidecar.cli",))
+    for helper in ("discovery", "logsetup", "printable", "exit_codes", "settings"):
+        found += [
+            f"kvsidecar/{helper}.py imports {name}"
+            for name in _imports(ROOT / "kvsidecar" / f"{helper}.py")
+            if name == "kvsidecar.cli" or name.startswith("kvsidecar.cli.")
+        ]
+    assert found == []
+
+
 def test_torch_is_imported_only_under_agent() -> None:
     assert _offenders("kvsidecar", ("torch",)) == []
 

@@ -13,7 +13,7 @@ import tempfile
 import pytest
 from click.testing import CliRunner
 
-from kvsidecar.cli import options as options_mod
+from kvsidecar import discovery as discovery_mod
 from kvsidecar.cli.dump import render_table
 from kvsidecar.cli.main import main
 from kvsidecar.daemon.config import Discovery, Tuning
@@ -84,7 +84,7 @@ def test_negative_stale_after_is_refused(shm_dir: str, command: str) -> None:
 def test_missing_default_directory_is_named(monkeypatch, command: str) -> None:
     parent = tempfile.mkdtemp(prefix="kvsidecar-default-")
     missing = os.path.join(parent, "kvsidecar")
-    monkeypatch.setattr(options_mod, "DEFAULT_SHM_DIR", missing)
+    monkeypatch.setattr(discovery_mod, "DEFAULT_SHM_DIR", missing)
     try:
         r = CliRunner().invoke(main, [command, "--shm-dir", missing])
         assert r.exit_code == 1

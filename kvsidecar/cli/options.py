@@ -4,33 +4,17 @@ command modules can import them without importing every other command)."""
 from __future__ import annotations
 
 import os
-import re
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import click
 
 from kvsidecar import settings
-from kvsidecar.protocol.names import DEFAULT_SHM_DIR
+from kvsidecar.discovery import dir_problem
+from kvsidecar.exit_codes import EXIT_NO_TARGET, EXIT_OK, EXIT_USAGE
+from kvsidecar.printable import printable
 
-EXIT_OK, EXIT_NO_TARGET, EXIT_USAGE = 0, 1, 2
-
-
-# C0 controls (but not tab), DEL and C1 controls: an engine string carrying ESC or CR
-# could rewrite the operator's terminal (clear it, fake a line, set the title).
-_CONTROL = re.compile(r"[\x00-\x08\x0a-\x1f\x7f-\x9f]")
-
-
-def printable(text: object, style: str = "backslash") -> str:
-    """``text`` with every control character shown as an escape, for anything that prints
-    an engine-supplied string to a terminal or a log: ``\\x1b``, ``\\r`` (style
-    ``backslash``) or ``<0x1b>`` (style ``angle``, for formats with no backslash escapes)."""
-    s = str(text)
-    if not _CONTROL.search(s):
-        return s
-    if style == "angle":
-        return _CONTROL.sub(lambda m: f"<{ord(m.group()):#04x}>", s)
-    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], s)
+__all__ = ["EXIT_NO_TARGET", "EXIT_OK", "EXIT_USAGE", "dir_problem", "printable"]
 
 
 def print_and_exit(flag: str, text: Callable[[click.Context], str], **kw: Any) -> Any:
@@ -90,24 +74,6 @@ def trust_options(f: Any) -> Any:
 def allowed_uids(allow_uids: Iterable[int], allow_any_uid: bool) -> frozenset[int] | None:
     """The uid set a reader trusts (None = any owner)."""
     return None if allow_any_uid else frozenset({os.getuid(), *allow_uids})
-
-
-def dir_problem(shm_dir: str) -> str | None:
-    """Why the segment directory is unusable, naming the option, or None. A missing
-    directory is an error (otherwise the command would report 'no segments', which sends
-    you looking elsewhere).
-
-    The default directory is the exception: the agent creates it (private, 0750) when the
-    first engine starts, so its absence means "no segment yet", not a wrong option."""
-    if shm_dir == DEFAULT_SHM_DIR and not os.path.lexists(shm_dir):
-        return None
-    if os.path.isdir(shm_dir):
-        return None
-    what = "does not exist" if not os.path.exists(shm_dir) else "is not a directory"
-    return (
-        f"--shm-dir {printable(shm_dir)} {what}: create it or point "
-        f"--shm-dir/{settings.SHM_DIR.name} at the agent's segment directory"
-    )
 
 
 def require_dir(shm_dir: str) -> None:

@@ -14,13 +14,14 @@ import sys
 import time
 
 from kvsidecar import __version__, settings
-from kvsidecar.cli.options import EXIT_USAGE, dir_problem
 from kvsidecar.daemon.admission import Admission
 from kvsidecar.daemon.app import Daemon
 from kvsidecar.daemon.config import ServeConfig
 from kvsidecar.daemon.endpoints import WebServer
 from kvsidecar.daemon.malloc import bound_malloc
 from kvsidecar.daemon.targets import TargetSet
+from kvsidecar.discovery import dir_problem
+from kvsidecar.exit_codes import EXIT_USAGE
 from kvsidecar.logsetup import setup_logging
 from kvsidecar.protocol.reader import FDS_PER_SEGMENT
 from kvsidecar.stopflag import StopFlag
