@@ -323,8 +323,10 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
         WebOptions,
     )
 
-    keys = ("gateway_address", "gateway_ranks", "gateway_role", "gateway_max_connections")
-    gateway = [o.pop(k) for k in keys]  # GatewayOptions' fields, in order
+    # --gateway.* -> GatewayOptions' fields by name (gateway_ranks -> ranks)
+    gateway = {
+        k.removeprefix("gateway_"): o.pop(k) for k in [k for k in o if k.startswith("gateway_")]
+    }
     rediscover_interval = o.pop("rediscover_interval")
     config = ServeConfig(
         discovery=Discovery(
@@ -355,7 +357,7 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
             exporter_metrics=not o.pop("disable_exporter_metrics"),
             ready_requires_source=o.pop("ready_requires_source"),
         ),
-        gateway=None if gateway[0] is None else GatewayOptions(*gateway),
+        gateway=None if gateway["address"] is None else GatewayOptions(**gateway),
         max_new_targets=o.pop("max_new_targets"),
         new_target_interval=o.pop("new_target_interval"),
         otlp={k: o.pop(k) for k in [k for k in o if k.startswith("otlp_")]},  # otlp/options.py
