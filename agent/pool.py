@@ -879,7 +879,7 @@ def _connector_names(connectors: Iterable[str]) -> set[str]:
         if not isinstance(name, str) or not name.strip():
             raise ValueError(
                 f"connector name {name!r} is not a name: give each connector a non-empty "
-                "name (e.g. \"pd\"), or no connectors (()) to free the blocks at once"
+                'name (e.g. "pd"), or no connectors (()) to free the blocks at once'
             )
     return set(names)
 

@@ -9,6 +9,7 @@ __all__ = [
     "llm_kwargs",
     "plan_kv_cache",
     "planner",
+    "plugin_scheduler",
     "recount_pool",
     "write_model",
 ]
@@ -73,3 +74,21 @@ def plan_kv_cache(vllm_config, specs: dict, memory: int):
     register_all_kvcache_specs(vllm_config)
     groups = get_groups(vllm_config, specs)
     return for_scheduler([from_groups(vllm_config, groups, memory)])
+
+
+def plugin_scheduler(vllm_config, kv_cache_config, block_size: int):
+    """The scheduler the engine core builds, with the plugin applied as there: through
+    ``register()`` and ``SchedulerConfig.get_scheduler_cls()``."""
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from kvsidecar.agent.engines import vllm as plugin
+
+    plugin.register()
+    cls = vllm_config.scheduler_config.get_scheduler_cls()
+    return cls(
+        vllm_config=vllm_config,
+        kv_cache_config=kv_cache_config,
+        structured_output_manager=StructuredOutputManager(vllm_config),
+        block_size=block_size,
+        log_stats=True,
+    )

@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import plan_kv_cache, write_model
+from common import plan_kv_cache, plugin_scheduler, write_model
 
 CONFIGS = ("plain", "hybrid", "hybrid-1-5", "hisparse")
 
@@ -47,9 +47,6 @@ def build(name: str, model_dir: str):
         SlidingWindowSpec,
         SparseCacheRole,
     )
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from kvsidecar.agent.engines import vllm as plugin
 
     block = 64 if name == "hisparse" else 16
     sched_cfg = SchedulerConfig(
@@ -104,16 +101,7 @@ def build(name: str, model_dir: str):
         memory = 96 * full.page_size_bytes * max(n_full, 2)
     kv_cache_config = plan_kv_cache(vc, specs, memory)
     vc.cache_config.num_gpu_blocks = kv_cache_config.num_blocks
-    plugin.register()
-    cls = vc.scheduler_config.get_scheduler_cls()
-    sched = cls(
-        vllm_config=vc,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vc),
-        block_size=block,
-        log_stats=True,
-    )
-    return sched, kv_cache_config, block
+    return plugin_scheduler(vc, kv_cache_config, block), kv_cache_config, block
 
 
 def step(sched, block: int) -> int:

@@ -1,6 +1,6 @@
 """Drive vLLM's real ``Scheduler`` / ``AsyncScheduler`` directly, the way vLLM's own scheduler
-unit tests do (a hand-made KV-cache config, model-runner outputs built by hand, no model, no
-GPU), with the kvsidecar plugin applied through ``register()`` and
+unit tests do (a KV-cache config planned by vLLM's own planner, model-runner outputs built by
+hand, no model, no GPU), with the kvsidecar plugin applied through ``register()`` and
 ``SchedulerConfig.get_scheduler_cls()`` (the engine core's path). After every step and every
 abort, every field the plugin published (read back from the shared-memory segment) is compared
 with a brute-force recount over ``BlockPool.blocks`` and ``Scheduler.requests``, and the prefix
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import plan_kv_cache, recount_pool, write_model
+from common import plan_kv_cache, plugin_scheduler, recount_pool, write_model
 
 BLOCK = 16
 
@@ -75,9 +75,6 @@ def build(cfg: Config, model_dir: str):
         FullAttentionSpec,
         SlidingWindowSpec,
     )
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from kvsidecar.agent.engines import vllm as plugin
 
     max_len = 1024
     sched_cfg = SchedulerConfig(
@@ -118,15 +115,7 @@ def build(cfg: Config, model_dir: str):
     assert kv_cache_config.num_blocks == cfg.num_blocks
     assert len(kv_cache_config.kv_cache_groups) == (2 if cfg.hybrid else 1)
     cache.num_gpu_blocks = cfg.num_blocks
-    plugin.register()
-    cls = vllm_config.scheduler_config.get_scheduler_cls()
-    sched = cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK,
-        log_stats=True,
-    )
+    sched = plugin_scheduler(vllm_config, kv_cache_config, BLOCK)
     # A block holds one group's layers (2), in one backing allocation.
     return sched, kv_cache_config, full.page_size_bytes, 2
 
