@@ -91,7 +91,7 @@ class Gateway:
                 return 503, why.encode(), _TEXT, b""
             # Which step was served, for whoever checks freshness (the body stays lean).
             step = b"Kvsidecar-Step: %d\r\n" % last.snapshot.runtime.step
-            return 200, self._body(view.name, last), CONTENT_TYPE, step
+            return 200, self._body(view.name, last, view.clock_offset_ns), CONTENT_TYPE, step
         if len(up) > 1:
             names = ", ".join(v.name for v in up)
             why = (
@@ -102,12 +102,14 @@ class Gateway:
         v = views[0]
         return 503, f"{v.name}: {v.state}: {v.error or 'not up'}\n".encode(), _TEXT, b""
 
-    def _body(self, name: str, last: Reading) -> bytes:
+    def _body(self, name: str, last: Reading, clock_offset_ns: int) -> bytes:
         key = (last.incarnation, last.seq)
         cached = self._bodies.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
-        body = render(last.snapshot, time.monotonic_ns())
+        # Ages on the writer's clock: ours less the offset of a writer in another time
+        # namespace (as the collector does; without it the age was the offset, 1000s of s).
+        body = render(last.snapshot, time.monotonic_ns() - clock_offset_ns)
         if timeless(last.snapshot):
             if len(self._bodies) > 1024:  # names come and go: never grow without bound
                 self._bodies.clear()

@@ -536,7 +536,10 @@ POOL_DERIVED: tuple[MetricDef, ...] = (
         "How long the oldest deferred request of this pool has held its KV (now - "
         "oldest_deferred_free_mono_ns, computed at scrape time; a writer in another time "
         "namespace is read through its clock's offset); 0 when none is deferred. "
-        "A P/D transfer that never completes shows as an age that only grows.",
+        "A P/D transfer that never completes shows as an age that only grows. A stamp "
+        "later than now (a deferral cannot begin in the future: 2^62 read as age 0) is "
+        "rejected like a value out of range: no series, counted in "
+        'kvsidecar_source_rejected_values_total{field="pool.oldest_deferred_free_mono_ns"}.',
         "oldest_deferred_free_mono_ns",
         anchor="none (no engine exports it)",
     ),
