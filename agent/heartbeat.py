@@ -26,7 +26,9 @@ _JOIN_TIMEOUT_S = 1.0
 
 
 class IdleHeartbeat:
-    """Refreshes ``writer``'s heartbeat every ``interval`` s in which no step happened.
+    """Refreshes ``writer``'s heartbeat once ``interval`` s have passed with no step (then
+    every ``interval`` s while none comes), so the heartbeat is never older than about
+    ``interval`` while the process runs.
 
     An idle engine stays fresh; so does a *hung* one (its step counter stops instead):
     pass interval 0 to the agent to detect hangs by age.
@@ -45,16 +47,24 @@ class IdleHeartbeat:
         self._thread.start()
 
     def _run(self, interval: float) -> None:
-        while not self._stop.wait(interval):
+        # Wake when `interval` has passed since the last step, not on a fixed grid: on a grid
+        # a step just after one wake left the segment without a heartbeat for almost two
+        # intervals (1.99 s at 1 s), longer than a gateway's freshness bound (1.5 s).
+        wait = interval
+        while not self._stop.wait(wait):
             writer = self._writer
             if writer is None:
                 return
-            if time.perf_counter_ns() - self.last_step_ns >= self._interval_ns:
-                try:
-                    writer.heartbeat()
-                except Exception as e:  # a closed or truncated segment: nothing left to keep
-                    log.warning("kvsidecar heartbeat stopped: %s", e)
-                    return
+            idle = time.perf_counter_ns() - self.last_step_ns
+            if idle < self._interval_ns:
+                wait = (self._interval_ns - idle) / 1e9
+                continue
+            wait = interval
+            try:
+                writer.heartbeat()
+            except Exception as e:  # a closed or truncated segment: nothing left to keep
+                log.warning("kvsidecar heartbeat stopped: %s", e)
+                return
 
     def stop(self, join: bool = True) -> None:
         """Stop the thread; join it unless ``join`` is False (a step must not wait)."""

@@ -217,6 +217,16 @@ GATEWAY_MAX_CONNECTIONS = _s(
     DAEMON,
     flag="--gateway.max-connections",
 )
+GATEWAY_STALE_AFTER = _s(
+    "GATEWAY_STALE_AFTER",
+    "float",
+    1.5,
+    "seconds a rank may show no progress (on the daemon's clock) and still be served; "
+    "longer: 503 though --stale-after has not passed. Below a picker's 2 s staleness "
+    "threshold, above the agent's 1 s idle heartbeat",
+    DAEMON,
+    flag="--gateway.stale-after",
+)
 # -- OTLP push (kvsidecar/otlp/, docs/otlp.md; needs the kvsidecar[otlp] extra) ----------------
 OTLP_ENDPOINT = _s(
     "OTLP_ENDPOINT",

@@ -197,6 +197,19 @@ def _telemetry_path(value: str) -> str:
     envvar=settings.GATEWAY_MAX_CONNECTIONS.name,
     help="Open gateway connections, all listeners together; the idlest makes room at the cap.",
 )
+@click.option(
+    "--gateway.stale-after",
+    "gateway_stale_after",
+    type=click.FloatRange(0.05, 3600),
+    default=settings.GATEWAY_STALE_AFTER.default,
+    show_default=True,
+    envvar=settings.GATEWAY_STALE_AFTER.name,
+    help=(
+        "A rank with no progress for this long (the daemon's clock) is answered 503 on the "
+        "gateway, before --stale-after marks it stale; keep it below the picker's staleness "
+        "threshold (2 s) and above the agent's idle heartbeat (1 s)."
+    ),
+)
 @trust_options
 @click.option(
     "--ready-requires-source",

@@ -254,6 +254,28 @@ def sanitize(snapshot: Snapshot) -> tuple[Snapshot, dict[str, int]]:
     return Snapshot(runtime=runtime, pools=pools), rejected  # type: ignore[arg-type]
 
 
+# A writer in another time namespace is read through a clock offset estimated from its
+# heartbeats (Target._clock_offset), which can lag its real clock by a poll: a stamp that
+# much ahead is still its own. Same-clock writers get no slack at all.
+STAMP_SLACK_NS = 1_000_000_000
+
+
+def reject_future_stamps(snapshot: Snapshot, writer_now_ns: int, rejected: dict) -> Snapshot:
+    """The snapshot with each pool's ``oldest_deferred_free_mono_ns`` later than now (on the
+    writer's clock) set to None, counted in `rejected`: a deferral cannot have begun in the
+    future, and the age computed from it (now - stamp, clamped at 0) read 0.0 for a stamp
+    of 2^62 (schema.md, "Values": in range, yet impossible)."""
+    field = "oldest_deferred_free_mono_ns"
+    future = [i for i, p in enumerate(snapshot.pools) if (getattr(p, field) or 0) > writer_now_ns]
+    if not future:
+        return snapshot
+    pools = list(snapshot.pools)
+    for i in future:
+        pools[i] = msgspec.structs.replace(pools[i], **{field: None})
+    rejected["pool." + field] = rejected.get("pool." + field, 0) + len(future)
+    return msgspec.structs.replace(snapshot, pools=pools)
+
+
 def over_total(costs: typing.Iterable[tuple[str, int]], fixed: int, limit: int) -> dict[str, int]:
     """The aggregate budget: which of `costs` ((name, cost), by seniority, those served
     longest first) do not fit within `limit` bytes together with `fixed` (what the others

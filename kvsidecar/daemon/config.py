@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvsidecar.daemon.refusals import MAX_REFUSED, RECHECK_PER_SCAN, SUMMARY_INTERVAL
+from kvsidecar.settings import GATEWAY_STALE_AFTER
 
 if TYPE_CHECKING:
     from kvsidecar.daemon.budget import Budget
@@ -75,6 +76,8 @@ class GatewayOptions:
     ranks: int = 1
     role: str | None = None
     max_connections: int = 256
+    # Seconds without progress after which a rank is answered 503 (docs/gateway.md).
+    stale_after: float = GATEWAY_STALE_AFTER.default
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,10 @@ never waited for (the TargetSet lock is not taken).
 
 A rank that is not up (stale, dead, closed, corrupt, refused, shed, not found, or claimed by
 two live segments) is answered 503 with the reason on one line: a picker treats a non-200 as
-a failed poll and never routes on those numbers as fresh.
+a failed poll and never routes on those numbers as fresh. So is a rank that is up but has
+shown no progress for longer than the gateway's own bound (``--gateway.stale-after``, 1.5 s):
+the daemon's ``--stale-after`` (5 s) is an alerting verdict, while a picker stops trusting a
+sample after 2 s; a hung (SIGSTOPped) engine core was served 200 with frozen numbers for 5 s.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from kvsidecar.daemon.gateway_body import CONTENT_TYPE, render, timeless
 from kvsidecar.daemon.target import Target
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.reader import Reading
-from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS
+from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS, GATEWAY_STALE_AFTER
 from kvsidecar.web.poll_server import PollServer, Route
 from kvsidecar.web.sockets import bind
 
@@ -40,9 +43,16 @@ _TEXT = "text/plain; charset=utf-8"
 class Gateway:
     """Routes for `kvsidecar.web.poll_server.PollServer`: ``route(rank)`` answers one rank."""
 
-    def __init__(self, targets: TargetSet, *, role: str | None = None) -> None:
+    def __init__(
+        self,
+        targets: TargetSet,
+        *,
+        role: str | None = None,
+        stale_after: float = GATEWAY_STALE_AFTER.default,
+    ) -> None:
         self.targets = targets
         self.role = role
+        self.stale_after = stale_after
         self._version = -1
         self._by_rank: dict[int, list[Target]] = {}
         # Per segment: the body of its last (incarnation, seq), while no age is in it.
@@ -70,10 +80,18 @@ class Gateway:
         views = [t.poll(log_transitions=True) for t in candidates]
         up = [v for v in views if v.up and v.last is not None]
         if len(up) == 1:
-            last = up[0].last
+            view, last = up[0], up[0].last
+            # Progress on the daemon's clock, as the poll that just ran judged it.
+            still = view.age_seconds(view.last_poll_mono_ns) or 0.0
+            if still > self.stale_after:
+                why = (
+                    f"{view.name}: not fresh: no progress for {still:.2f}s > "
+                    f"--gateway.stale-after {self.stale_after:g}s (hung or stopped?)\n"
+                )
+                return 503, why.encode(), _TEXT, b""
             # Which step was served, for whoever checks freshness (the body stays lean).
             step = b"Kvsidecar-Step: %d\r\n" % last.snapshot.runtime.step
-            return 200, self._body(up[0].name, last), CONTENT_TYPE, step
+            return 200, self._body(view.name, last, view.clock_offset_ns), CONTENT_TYPE, step
         if len(up) > 1:
             names = ", ".join(v.name for v in up)
             why = (
@@ -84,12 +102,14 @@ class Gateway:
         v = views[0]
         return 503, f"{v.name}: {v.state}: {v.error or 'not up'}\n".encode(), _TEXT, b""
 
-    def _body(self, name: str, last: Reading) -> bytes:
+    def _body(self, name: str, last: Reading, clock_offset_ns: int) -> bytes:
         key = (last.incarnation, last.seq)
         cached = self._bodies.get(name)
         if cached is not None and cached[0] == key:
             return cached[1]
-        body = render(last.snapshot, time.monotonic_ns())
+        # Ages on the writer's clock: ours less the offset of a writer in another time
+        # namespace (as the collector does; without it the age was the offset, 1000s of s).
+        body = render(last.snapshot, time.monotonic_ns() - clock_offset_ns)
         if timeless(last.snapshot):
             if len(self._bodies) > 1024:  # names come and go: never grow without bound
                 self._bodies.clear()
@@ -143,7 +163,7 @@ def start_gateway(targets: TargetSet, options: GatewayOptions) -> PollServer:
         for s in socks:
             s.close()
         raise
-    gateway = Gateway(targets, role=options.role)
+    gateway = Gateway(targets, role=options.role, stale_after=options.stale_after)
     server = PollServer(
         list(zip(socks, gateway.routes(ranks))),
         max_connections=options.max_connections,

@@ -6,9 +6,12 @@ size and count from the labels of a ``cache_config_info`` gauge, with its built-
 per engine (`vllm:*`, `sglang:*`). Serving those names lets an unchanged picker config read
 the sidecar instead of the engine. Each value means what the engine's own series means:
 
-* vLLM: ``vllm:kv_cache_usage_perc`` is ``BlockPool.get_usage()``, allocated / (num_gpu_blocks
-  - 1), which is allocated_blocks / total_blocks (docs/vllm.md); ``num_gpu_blocks`` counts
-  the null block (virtual_blocks);
+* vLLM: ``vllm:kv_cache_usage_perc`` is ``BlockPool.get_usage()``, 1 - free /
+  (num_gpu_blocks - 1), with free = available_blocks (free + evictable cached) and
+  num_gpu_blocks - 1 = total_blocks; ``num_gpu_blocks`` counts the null block. The same
+  formula for every source served in vLLM's names (our pool, kvcached): 1 - available /
+  total, the current capacity (not the storage, virtual_blocks, which a shrink keeps), so
+  reserved blocks count as free and a pending shrink's excess as used (docs/gateway.md);
 * SGLang: ``sglang:token_usage`` is the largest pool's num_used / capacity, rounded to two
   decimals as SGLang rounds it; ``sglang:cache_config_info{page_size,num_pages}``, which
   SGLang itself does not emit (it has ``sglang:page_size`` / ``sglang:num_pages``);
@@ -152,12 +155,17 @@ def _family(lines: list[str], name: str, labels: str, value: float) -> None:
     lines.append(f"{name}{labels} {_number(value)}")
 
 
-def _usage(pools: list[KVCachePoolSnapshot], names: EngineNames) -> float | None:
+def _sized(pools: list[KVCachePoolSnapshot]) -> list[KVCachePoolSnapshot]:
+    """The pools with a capacity and a known allocation: the usage's and the count's."""
+    return [p for p in pools if p.total_blocks and p.allocated_blocks is not None]
+
+
+def _usage(sized: list[KVCachePoolSnapshot], names: EngineNames) -> float | None:
     """KV-cache usage computed as the engine computes it, to the last bit: vLLM's
     ``BlockPool.get_usage()`` is 1 - free / (num_gpu_blocks - 1), its free queue being our
-    available_blocks; SGLang's the fullest pool's used / capacity, rounded to 2 decimals;
-    ATOM's used / total blocks."""
-    sized = [p for p in pools if p.total_blocks and p.allocated_blocks is not None]
+    available_blocks (summed over the pools; num_gpu_blocks - 1 is their total_blocks);
+    SGLang's the fullest pool's used / capacity, rounded to 2 decimals; ATOM's used / total
+    blocks."""
     if not sized:
         return None
     if names.usage_digits is not None:
@@ -168,12 +176,14 @@ def _usage(pools: list[KVCachePoolSnapshot], names: EngineNames) -> float | None
     return sum(p.allocated_blocks for p in sized) / total
 
 
-def _num_blocks(p: KVCachePoolSnapshot, names: EngineNames) -> int:
+def _num_blocks(sized: list[KVCachePoolSnapshot], names: EngineNames) -> int:
+    """The block count label: the current capacity the usage divides by, never the storage
+    (virtual_blocks: a resized pool keeps rows it no longer offers). vLLM's num_gpu_blocks
+    also counts its null block, so usage = 1 - free / (num_gpu_blocks - 1) exactly."""
     if names is SGLANG:
-        return p.total_blocks  # num_pages: usable pages
-    if p.virtual_blocks is not None:
-        return p.virtual_blocks  # vLLM's num_gpu_blocks counts the null block
-    return p.total_blocks + (1 if p.null_block_reserved else 0)
+        return sized[0].total_blocks  # num_pages: usable pages (SGLang has one pool)
+    null = 1 if sized[0].null_block_reserved else 0
+    return sum(p.total_blocks for p in sized) + null
 
 
 def _held(pools: list[KVCachePoolSnapshot], now_mono_ns: int) -> tuple[int | None, float | None]:
@@ -204,15 +214,15 @@ def render(snapshot: Snapshot, now_mono_ns: int) -> bytes:
     if rt.requests_running is not None:
         _family(lines, names.running, labels, rt.requests_running)
     pools = snapshot.pools
-    usage = _usage(pools, names)
+    sized = _sized(pools)
+    usage = _usage(sized, names)
     if usage is not None:
         _family(lines, names.usage, labels, usage)
-    first = next((p for p in pools if p.total_blocks and p.block_size_tokens), None)
-    if first is not None:
+    if sized and sized[0].block_size_tokens:
         info = [
             *names.info_labels(rt),
-            (names.block_size_label, str(first.block_size_tokens)),
-            (names.num_blocks_label, str(_num_blocks(first, names))),
+            (names.block_size_label, str(sized[0].block_size_tokens)),
+            (names.num_blocks_label, str(_num_blocks(sized, names))),
         ]
         _family(lines, names.cache_info, _labels_text(sorted(info)), 1.0)
     blocks, age = _held(pools, now_mono_ns)

@@ -517,8 +517,11 @@ POOL_DERIVED: tuple[MetricDef, ...] = (
         "kvsidecar_kv_pool_block_usage_ratio",
         GAUGE,
         "ratio",
-        "allocated_blocks / total_blocks (block occupancy).",
-        anchor="vllm:kv_cache_usage_perc (0-1)",
+        "allocated_blocks / total_blocks (block occupancy; reserved blocks count as used). "
+        "vLLM's kv_cache_usage_perc, and the gateway's usage, are 1 - available_blocks / "
+        "total_blocks: the same for vLLM (available = total - allocated), not for a pool "
+        "with reserved blocks or a pending shrink (ours, kvcached).",
+        anchor="vllm:kv_cache_usage_perc (0-1), where available = total - allocated",
     ),
     MetricDef(
         "kvsidecar_kv_pool_token_usage_ratio",
@@ -533,7 +536,10 @@ POOL_DERIVED: tuple[MetricDef, ...] = (
         "How long the oldest deferred request of this pool has held its KV (now - "
         "oldest_deferred_free_mono_ns, computed at scrape time; a writer in another time "
         "namespace is read through its clock's offset); 0 when none is deferred. "
-        "A P/D transfer that never completes shows as an age that only grows.",
+        "A P/D transfer that never completes shows as an age that only grows. A stamp "
+        "later than now (a deferral cannot begin in the future: 2^62 read as age 0) is "
+        "rejected like a value out of range: no series, counted in "
+        'kvsidecar_source_rejected_values_total{field="pool.oldest_deferred_free_mono_ns"}.',
         "oldest_deferred_free_mono_ns",
         anchor="none (no engine exports it)",
     ),
@@ -867,6 +873,10 @@ def markdown() -> str:
     return "\n".join(out) + "\n" + _gateway_markdown()
 
 
+# A gateway family an engine's record never fills (SGLang keeps no deferral: null).
+_NOT_SERVED = "not served (null in SGLang's record)"
+
+
 def _gateway_markdown() -> str:
     """The gateway endpoint's families (docs/gateway.md): not on /metrics, never scraped."""
     from kvsidecar.daemon import gateway_body as gb
@@ -888,14 +898,19 @@ def _gateway_markdown() -> str:
         ("queued requests (requests_waiting)", "requests", [n.waiting for n in e]),
         ("running requests (requests_running)", "requests", [n.running for n in e]),
         (
-            "KV-cache usage: allocated / total blocks (SGLang: the fullest pool, rounded to "
-            "2 decimals, as SGLang does)",
+            "KV-cache usage. vLLM's names (also our pool, kvcached): 1 - available_blocks / "
+            "total_blocks summed over the pools, vLLM's `BlockPool.get_usage()` (free, "
+            "evictable and reserved blocks count as free; during a pending shrink only the "
+            "room below its target does); SGLang: the fullest pool's allocated / total, "
+            "rounded to 2 decimals, as SGLang does; ATOM: allocated / total",
             "ratio 0-1",
             [n.usage for n in e],
         ),
         (
-            "block size and count, in the labels; value 1 (vLLM's num_gpu_blocks counts "
-            "the null block)",
+            "block size and count, in the labels; value 1. The count is the capacity the "
+            "usage divides by: vLLM's num_gpu_blocks is total_blocks + 1 (its null block), "
+            "so usage = 1 - available / (num_gpu_blocks - 1); never the storage "
+            "(virtual_blocks), which a shrink keeps",
             "",
             [f"{n.cache_info}{{{n.block_size_label},{n.num_blocks_label}}}" for n in e],
         ),
@@ -903,16 +918,18 @@ def _gateway_markdown() -> str:
             "KV blocks held for P/D transfer (deferred frees; distinct blocks summed over "
             "pools; inside the usage)",
             "blocks",
-            [gb.HELD_BLOCKS] * 3,
+            [gb.HELD_BLOCKS, _NOT_SERVED, gb.HELD_BLOCKS],
         ),
         (
-            "age of the oldest deferral still holding KV (0 when none)",
+            "age of the oldest deferral still holding KV (0 when none; absent when the "
+            "writer's stamp is later than now)",
             "seconds",
-            [gb.HELD_AGE] * 3,
+            [gb.HELD_AGE, _NOT_SERVED, gb.HELD_AGE],
         ),
     ]
     for meaning, unit, names in rows:
-        out.append(f"| {meaning} | {unit} | " + " | ".join(f"`{n}`" for n in names) + " |")
+        cells = [n if n == _NOT_SERVED else f"`{n}`" for n in names]
+        out.append(f"| {meaning} | {unit} | " + " | ".join(cells) + " |")
     out.append("")
     out.append(
         "Labels: vLLM's `engine` (the DP rank) and `model_name`; SGLang's `model_name`, "

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field, replace
 import msgspec
 
 from kvsidecar.daemon.budget import (
+    STAMP_SLACK_NS,
     BoundedSnapshotDecoder,
     Budget,
     OverBudget,
@@ -25,6 +26,7 @@ from kvsidecar.daemon.budget import (
     exposition_estimate,
     health_estimate,
     identity_error,
+    reject_future_stamps,
     sanitize,
 )
 from kvsidecar.daemon.refusals import bump
@@ -283,7 +285,8 @@ class Target:
             return self._failed(v, result, now)
         rejected: dict[str, int] = {}
         key = (result.incarnation, result.seq)
-        if key == self._checked and v.last is not None:
+        checked = key == self._checked and v.last is not None
+        if checked:
             # The same snapshot as last poll (only the heartbeat moved): checked already.
             result = msgspec.structs.replace(result, snapshot=v.last.snapshot)
         else:
@@ -309,12 +312,23 @@ class Target:
         self._incarnation = result.incarnation
         kind = ""
         still = self._still_for(result, now)  # dead ones too: their age is on our clock
+<<<<<<< HEAD
         if _state_byte(reader) == layout.STATE_FAULTED:
             # The engine's own fatal-error path said so: dead now, though its process may
             # still hold the lock while it is torn down, and dead after, whoever stops it.
             state, kind = DEAD, FAULTED_KIND
             error = faulted_message(self.name, reader.writer_alive())
         elif not reader.writer_alive():
+=======
+        offset = self._clock_offset(result)
+        if not checked:  # stamps later than now on the writer's clock: rejected (budget.py)
+            slack = STAMP_SLACK_NS if offset else 0
+            snapshot = reject_future_stamps(result.snapshot, now - offset + slack, rejected)
+            if snapshot is not result.snapshot:
+                result = msgspec.structs.replace(result, snapshot=snapshot)
+                self._cost_of = snapshot
+        if not reader.writer_alive():
+>>>>>>> truth-gateway
             closed = _closed(reader)
             state, error = DEAD, dead_message(self.name, closed)
             kind = CLOSED_KIND if closed else ""
@@ -336,7 +350,7 @@ class Target:
             error_kind=kind,
             last=result,
             progress_mono_ns=self._beat_seen,
-            clock_offset_ns=self._clock_offset(result),
+            clock_offset_ns=offset,
             last_poll_mono_ns=now,
             writer_restarts_total=restarts,
             read_retries_total=v.read_retries_total + result.attempts - 1,

@@ -8,6 +8,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import time
 
 import pytest
 
@@ -178,6 +179,34 @@ def test_segment_truncated_under_the_engine_disables_not_crashes(shm_dir: str, c
     assert agent.runtime.publish_errors_total == 1
     assert any("agent disabled" in r.message for r in caplog.records)
     agent.close()
+
+
+def test_idle_heartbeat_comes_one_interval_after_the_last_step(shm_dir: str) -> None:
+    """The first idle heartbeat comes one interval after the last step, not at the thread's
+    next wake after that: on a fixed grid, a step just after a wake left the segment without
+    a heartbeat for almost two intervals, and the gateway (--gateway.stale-after 1.5 s, the
+    heartbeat 1 s) answered an idle engine 503."""
+    interval = 2.0
+    agent = KVSidecarAgent("t", "m", shm_dir=shm_dir, device="cpu", heartbeat_interval=interval)
+    try:
+        time.sleep(interval / 10)  # the step comes just after the thread began waiting
+        agent.step()
+        stepped = read_segment(agent.segment_name, shm_dir=shm_dir)
+        assert isinstance(stepped, Reading)
+
+        seen = [stepped.heartbeat_mono_ns]
+
+        def beat() -> bool:
+            seen.append(read_segment(agent.segment_name, shm_dir=shm_dir).heartbeat_mono_ns)
+            return seen[-1] > stepped.heartbeat_mono_ns
+
+        assert wait_for(beat, timeout=60)
+        gap = (seen[-1] - stepped.heartbeat_mono_ns) / 1e9  # the first beat, as stamped
+        # One interval after the step; the grid made it 1.9 intervals. The half interval
+        # (1 s) of slack is for a loaded host waking the thread late.
+        assert gap < 1.5 * interval, f"first idle heartbeat {gap:.2f} s after the step"
+    finally:
+        agent.close()
 
 
 def test_idle_heartbeat_keeps_the_segment_fresh_without_steps(shm_dir: str) -> None:

@@ -2,7 +2,8 @@
 
 Run as ``python -m tests.daemon.gateway_writer NAME SHM_DIR ENGINE DP_RANK ROLE PERIOD``.
 It prints "ready <incarnation>" after its first publish, then publishes step 2, 3, ...
-every PERIOD seconds (0: as fast as it can). `expected(engine, step)` says what a picker
+every PERIOD seconds (0: as fast as it can; ``idle:SEC``: none, only the agent's idle
+heartbeat every SEC seconds). `expected(engine, step)` says what a picker
 must read for a step, so a test can check a body against the step the gateway says it
 served (its Kvsidecar-Step header).
 """
@@ -13,6 +14,7 @@ import signal
 import sys
 import time
 
+from kvsidecar.agent.heartbeat import IdleHeartbeat
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
 
@@ -84,6 +86,18 @@ def main() -> None:
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with SegmentWriter(name, shm_dir=shm_dir) as w:
         step = 1
+        if period.startswith("idle:"):
+            # An idle engine: one step, then only the agent's own idle heartbeat thread.
+            interval = float(period.removeprefix("idle:"))
+            beat = IdleHeartbeat(w, interval)
+            time.sleep(interval / 10)  # the engine's one step comes a while after its start
+            beat.last_step_ns = time.perf_counter_ns()  # as KVSidecarAgent.step() stores it
+            w.publish(build(engine, int(dp), role, step))
+            print("ready", w.incarnation, flush=True)
+            try:
+                signal.pause()
+            finally:
+                beat.stop()
         w.publish(build(engine, int(dp), role, step))
         print("ready", w.incarnation, flush=True)
         while True:

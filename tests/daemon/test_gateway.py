@@ -13,18 +13,23 @@ TYPE, a stale rank served 200, the poller's copy from the previous cycle), fail.
 from __future__ import annotations
 
 import http.client
+import json
 import os
+import re
 import signal
 import socket
 import subprocess
 import sys
 import time
+import urllib.request
 from collections.abc import Callable
+from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvsidecar import settings as kv_settings
 from kvsidecar.bench.fleet import free_port, free_port_run
 from kvsidecar.daemon import gateway_body as gb
 from kvsidecar.daemon.config import Discovery, Polling
@@ -33,6 +38,7 @@ from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.reader import SegmentReader
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
+from tests.conftest import REPO
 from tests.daemon import gateway_writer as gw
 from tests.support import picker
 from tests.support.procs import _start_announcing, start_daemon, wait_for
@@ -285,6 +291,73 @@ def test_a_rank_that_is_not_up_is_never_served_as_numbers(shm):
         stop(writer)
 
 
+def daemon_view(url: str, name: str) -> dict:
+    """The daemon's own record of `name` (/api/v1/snapshots): state, age on its clock."""
+    with urllib.request.urlopen(f"{url}/api/v1/snapshots", timeout=30) as r:
+        records = json.load(r)["targets"]
+    (record,) = [t for t in records if t["segment"] == name]
+    return record
+
+
+def test_a_hung_writer_is_not_served_past_the_gateways_own_bound(shm):
+    """A SIGSTOPped writer (alive, so not dead; its heartbeat frozen) is answered 503 once
+    the daemon's clock says it showed no progress for --gateway.stale-after, long before
+    the daemon's own --stale-after verdict (60 s here): a picker trusts a sample 2 s."""
+    name = "kvsidecar.gw.dp0"
+    bound = gb_stale_after = 1.5  # the default, below the picker's 2 s
+    writer = start_writer(name, shm)
+    daemon, url, port = daemon_with_gateway(shm, "--stale-after", "60")
+    poll = HTTPPoll(port)
+    try:
+        assert wait_for(lambda: poll()[0] == 200)
+        writer.send_signal(signal.SIGSTOP)
+        poll()  # sees the last publish, so the age below counts from it on both sides
+        while True:
+            before = daemon_view(url, name)  # read first: the age at the answer is larger
+            status, body, _ = poll()
+            if status != 200:
+                break
+            assert before["age_seconds"] <= bound, (
+                f"200 with frozen numbers after {before['age_seconds']} s without progress"
+            )
+        assert status == 503 and "--gateway.stale-after" in body, body
+        # The gateway's decision, not the daemon's verdict: the target is still up there.
+        after = daemon_view(url, name)
+        assert after["state"] == "up", after
+        assert after["age_seconds"] >= gb_stale_after, after
+        # It steps again: served again at once.
+        writer.send_signal(signal.SIGCONT)
+        assert wait_for(lambda: poll()[0] == 200)
+    finally:
+        stop_daemon(daemon)
+        stop(writer)
+
+
+def test_an_idle_engine_stays_served_on_its_idle_heartbeat(shm):
+    """No steps, only the agent's idle heartbeat (1 s, its default): every poll for several
+    heartbeats is 200, the first 1.5 s after the step included (the heartbeat thread on a
+    fixed grid left that gap at up to 2 s, and the gateway answered 503 in it)."""
+    name = "kvsidecar.gw.dp0"
+    # The daemon first, scanning often, so the polls begin right after the writer's step.
+    daemon, _, port = daemon_with_gateway(shm, "--rediscover-interval", "0.05")
+    writer = start_writer(name, shm, period="idle:1.0")
+    poll = HTTPPoll(port)
+    try:
+        assert wait_for(lambda: poll()[0] == 200)
+        answers = []
+        deadline = time.monotonic() + 4.0  # three idle heartbeats after the step
+        while time.monotonic() < deadline:
+            status, body, step = poll()
+            answers.append((status, step, body if status != 200 else ""))
+            time.sleep(0.02)
+        refused = [a for a in answers if a[0] != 200]
+        assert not refused, f"{len(refused)} of {len(answers)} polls refused: {refused[:3]}"
+        assert {a[1] for a in answers} == {1}  # never a step: the heartbeat kept it fresh
+    finally:
+        stop_daemon(daemon)
+        stop(writer)
+
+
 def test_a_refused_segment_is_never_served(shm):
     name = "kvsidecar.gw.dp0"
     writer = start_writer(name, shm)
@@ -449,6 +522,25 @@ def test_any_snapshot_renders_a_body_the_picker_parses_exactly(snap):
 
 
 # -- the listener itself ----------------------------------------------------------------------
+
+
+def test_the_flag_table_in_gateway_md_is_the_settings():
+    """docs/gateway.md's flag table names every --gateway.* setting with its default, and
+    the freshness bound stays below the picker's staleness threshold."""
+    text = (Path(REPO) / "docs" / "gateway.md").read_text()
+    rows = {}
+    for line in text.splitlines():
+        m = re.match(r"\| `(--gateway\.[a-z-]+)` \(`(KVSIDECAR_[A-Z_]+)`\) \| ([^|]+) \|", line)
+        if m:
+            rows[m[1]] = (m[2], m[3].strip())
+    ours = {s.flag: s for s in kv_settings.ALL if s.flag.startswith("--gateway.")}
+    assert set(rows) == set(ours)
+    for flag, s in ours.items():
+        name, default = rows[flag]
+        assert name == s.name, flag
+        if s.default is not None:
+            assert default == f"{s.default:g}" if isinstance(s.default, float) else str(s.default)
+    assert kv_settings.GATEWAY_STALE_AFTER.default < picker.STALENESS_THRESHOLD_S
 
 
 def test_role_choices_are_the_schemas():

@@ -16,10 +16,12 @@ import time
 
 import pytest
 
+from kvsidecar.daemon import gateway_body as gb
 from kvsidecar.daemon.app import view_record
 from kvsidecar.daemon.collector import SnapshotCollector
 from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.exposition import render_text
+from kvsidecar.daemon.gateway import Gateway
 from kvsidecar.daemon.target import TargetView
 from kvsidecar.daemon.targets import TargetSet
 from tests.support.scrape import samples
@@ -113,6 +115,12 @@ def test_liveness_by_progress_whatever_the_writer_clock(shm_dir: str, offset: st
             v for n, lab, v in samples(text) if (n, lab.get("pool")) == (DEFERRED_AGE, "pool0")
         ]
         assert len(pool0) == 1 and 1.0 <= pool0[0] < abs(shift) / 2, pool0
+        # The gateway's held-KV age as well (issue 41 item 8a: it read the daemon's clock
+        # alone, so the offset itself behind and 0 ahead).
+        status, body, _, _ = Gateway(ts).answer(0)
+        assert status == 200, body
+        held = [v for n, _, v in samples(body.decode()) if n == gb.HELD_AGE]
+        assert len(held) == 1 and 1.0 <= held[0] < abs(shift) / 2, held
         # Hung (SIGSTOP the whole namespace's processes): stale within stale_after plus a
         # poll or two (on cb621d7, one ahead stayed up forever). Generous for a loaded host.
         _stop_all(writer)

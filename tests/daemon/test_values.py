@@ -12,6 +12,7 @@ import math
 import shutil
 import subprocess
 import tempfile
+import time
 
 import msgspec
 import pytest
@@ -20,6 +21,7 @@ from hypothesis import strategies as st
 from prometheus_client.openmetrics.parser import text_string_to_metric_families as om_parse
 from prometheus_client.parser import text_string_to_metric_families as text_parse
 
+from kvsidecar.bench.fleet import free_port_run
 from kvsidecar.daemon.app import Daemon
 from kvsidecar.daemon.budget import identity_error
 from kvsidecar.daemon.config import Discovery, Polling
@@ -186,3 +188,73 @@ def test_buggy_writer_is_served_validated_by_a_real_daemon(shm_dir: str) -> None
             daemon.kill()
             daemon.wait()
         stop(pid)
+
+
+def _deferring(dp: int, *stamps: int) -> bytes:
+    """A vLLM-named rank whose pools each hold 3 blocks deferred since a stamp."""
+    return msgspec.msgpack.encode(
+        Snapshot(
+            runtime=RuntimeSnapshot(engine="vllm", model_name="m", dp_rank=dp, dp_size=2),
+            pools=[
+                KVCachePoolSnapshot(
+                    pool_name=f"p{i}",
+                    total_blocks=100,
+                    allocated_blocks=10,
+                    deferred_free_requests=1,
+                    deferred_free_blocks=3,
+                    oldest_deferred_free_mono_ns=stamp,
+                )
+                for i, stamp in enumerate(stamps)
+            ],
+        )
+    )
+
+
+def test_a_deferral_stamped_in_the_future_has_no_age(shm_dir: str) -> None:
+    """A stamp later than now (2^62: in range, but 146 years of uptime; or an hour ahead)
+    read as an age of 0.0 in /metrics and in the gateway body: a transfer stuck since then
+    looked just begun. Now it is rejected like an out-of-range value (schema.md, "Values"):
+    no age series, counted; a good stamp beside it keeps its age."""
+    now = time.monotonic_ns()
+    far, ahead, held = 2**62, now + 3600 * 10**9, now - 2 * 10**9
+    names = ["kvsidecar.vllm.dp0.tp0.pp0", "kvsidecar.vllm.dp1.tp0.pp0"]
+    pids = [
+        fork_raw_writer(names[0], shm_dir, _deferring(0, far, ahead, held)),
+        fork_raw_writer(names[1], shm_dir, _deferring(1, far)),
+    ]
+    port = free_port_run(2)
+    daemon = None
+    try:
+        daemon, url = start_daemon(
+            shm_dir, "--poll-interval", "0.05",
+            "--gateway.listen-address", f"127.0.0.1:{port}", "--gateway.ranks", "2",
+        )  # fmt: skip
+        assert wait_for(
+            lambda: all(
+                value(fetch(url + "/metrics")[2], "kvsidecar_source_up", segment=n) == 1
+                for n in names
+            )
+        )
+        text = fetch(url + "/metrics")[2]
+        age = "kvsidecar_kv_pool_oldest_deferred_free_age_seconds"
+        seg = {"segment": names[0]}
+        assert value(text, age, pool="p0", **seg) is None  # was 0.0
+        assert value(text, age, pool="p1", **seg) is None  # was 0.0
+        assert value(text, age, pool="p2", **seg) >= 2.0
+        assert value(text, "kvsidecar_kv_pool_deferred_free_blocks", pool="p0", **seg) == 3
+        field = "pool.oldest_deferred_free_mono_ns"
+        rejected = "kvsidecar_source_rejected_values_total"
+        assert value(text, rejected, field=field, **seg) == 2
+        assert value(text, rejected, field=field, segment=names[1]) == 1
+        # The gateway: the rank's oldest known deferral, and none where none is known.
+        bodies = [fetch(f"http://127.0.0.1:{port + r}/metrics")[2] for r in (0, 1)]
+        held_age = "kvsidecar_rank_oldest_deferred_free_age_seconds"
+        assert value(bodies[0], held_age) >= 2.0
+        assert value(bodies[1], held_age) is None, bodies[1]  # was 0.0
+        assert value(bodies[1], "kvsidecar_rank_kv_blocks_deferred_free") == 3
+    finally:
+        if daemon is not None:
+            daemon.kill()
+            daemon.wait()
+        for pid in pids:
+            stop(pid)

@@ -8,11 +8,20 @@ token_usage formula. Built by ``bash .ci/engine-env sglang``.
 
 from __future__ import annotations
 
+import os
+import re
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
 
-from tests.engines.envs import run_json_helper
+from kvsidecar.bench.fleet import free_port_run
+from tests.engines.envs import ROOT, engine_python, run_json_helper
+from tests.support import picker
+from tests.support.procs import start_daemon, wait_for
+from tests.support.scrape import fetch
 
 HELPER = str(Path(__file__).parent / "sglang_helpers" / "oracle.py")
 IDENTITY = str(Path(__file__).parent / "sglang_helpers" / "identity.py")
@@ -77,3 +86,73 @@ def test_model_name_is_sglangs_own_label():
     assert unnamed["ours"] == unnamed["model_path"] != "None"
     assert cases["--served-model-name"]["ours"] == "served-llama"
     assert cases["--device cpu:0"]["raw_device"] == "cpu:0"  # SGLang strips the index
+
+
+# -- the gateway, as docs/gateway.md and docs/metrics.md say it serves SGLang ----------------
+
+WRITER = str(Path(__file__).parent / "sglang_helpers" / "gateway_writer.py")
+
+
+def doc_columns(path: Path, heading: str) -> list[dict[str, str]]:
+    """The rows of the first table after `heading`, each {column name: cell}."""
+    lines = path.read_text().split(heading, 1)[1].splitlines()
+    start = next(i for i, line in enumerate(lines) if line.startswith("|"))
+    table = []
+    for line in lines[start:]:
+        if not line.startswith("|"):
+            break
+        table.append([c.strip() for c in line.strip("|").split("|")])
+    head, rows = table[0], table[2:]
+    return [dict(zip(head, row)) for row in rows]
+
+
+def family_names(cell: str) -> set[str]:
+    """`vllm:cache_config_info{block_size,num_gpu_blocks}` -> {"vllm:cache_config_info"}."""
+    return {n.split("{")[0] for n in re.findall(r"`([^`]+)`", cell)}
+
+
+def test_the_gateway_serves_sglang_as_the_docs_say(tmp_path: Path) -> None:
+    """A rank whose record is our SGLang source's over SGLang's real allocator, engine
+    ``sglang``: the gateway body has exactly the families the docs' SGLang column names, and
+    none of those they say are not served (docs/gateway.md said the held-KV lines were
+    served for SGLang; SGLang's record has no deferral, so they never were)."""
+    python = engine_python("sglang")
+    shm = tempfile.mkdtemp(prefix="kvsidecar-sglang-gw-", dir="/dev/shm")
+    name = "kvsidecar.sglang.dp0.tp0.pp0"
+    env = {k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"}
+    writer = subprocess.Popen(
+        [python, WRITER, shm, name], cwd=ROOT, env=env, stdout=subprocess.PIPE, text=True
+    )
+    daemon = None
+    try:
+        assert writer.stdout is not None and writer.stdout.readline().strip() == "ready"
+        port = free_port_run(1)
+        daemon, _ = start_daemon(shm, "--gateway.listen-address", f"127.0.0.1:{port}")
+        url = f"http://127.0.0.1:{port}/metrics"
+        assert wait_for(lambda: fetch(url)[0] == 200)
+        body = fetch(url)[2]
+        served = set(picker.parse(body))
+        docs = ROOT / "docs"
+        for path, heading, column in (
+            (docs / "gateway.md", "## What is served", "SGLang"),
+            (docs / "metrics.md", "## Gateway endpoint", "SGLang"),
+        ):
+            rows = doc_columns(path, heading)
+            for r in rows:  # "same": the names of the vLLM column
+                r[column] = r["vLLM"] if r[column] == "same" else r[column]
+            said = set().union(*(family_names(r[column]) for r in rows))
+            unserved = [r for r in rows if r[column].startswith("not served")]
+            absent = set().union(*(family_names(r["vLLM"]) for r in unserved))
+            assert served == said, f"{path.name}: served {sorted(served)}, says {sorted(said)}"
+            assert unserved and absent, f"{path.name}: no row says what SGLang lacks"
+            assert not served & absent, f"{path.name} says not served: {served & absent}"
+        # And it reads as SGLang's own: the picker's built-in sglang names, SGLang's usage.
+        got = picker.extract(body, "sglang")
+        assert got["block_size"] == 1 and got["num_blocks"] == 256 and got["usage"] > 0
+    finally:
+        if daemon is not None:
+            daemon.terminate()
+            daemon.wait(30)
+        writer.terminate()
+        writer.wait(60)
+        shutil.rmtree(shm, ignore_errors=True)

@@ -19,6 +19,9 @@ from dataclasses import dataclass, field
 LEGACY_NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*\Z")
 LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*\Z")
 TYPES = ("counter", "gauge", "histogram", "summary", "untyped")
+# The picker's --metrics-staleness-threshold default (llm-d-router; research/gateway-epp.md):
+# it keeps routing on an endpoint's last good sample this long.
+STALENESS_THRESHOLD_S = 2.0
 _NAME = re.compile(r"[a-zA-Z_:][a-zA-Z0-9_:]*")
 _LABEL = re.compile(r'\s*([a-zA-Z_][a-zA-Z0-9_]*)\s*=\s*"((?:[^"\\\n]|\\.)*)"\s*(,|(?=\}))')
 _VALUE = re.compile(r"\s+(\S+)(?:\s+(-?\d+))?\s*\Z")
