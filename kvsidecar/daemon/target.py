@@ -312,14 +312,6 @@ class Target:
         self._incarnation = result.incarnation
         kind = ""
         still = self._still_for(result, now)  # dead ones too: their age is on our clock
-<<<<<<< HEAD
-        if _state_byte(reader) == layout.STATE_FAULTED:
-            # The engine's own fatal-error path said so: dead now, though its process may
-            # still hold the lock while it is torn down, and dead after, whoever stops it.
-            state, kind = DEAD, FAULTED_KIND
-            error = faulted_message(self.name, reader.writer_alive())
-        elif not reader.writer_alive():
-=======
         offset = self._clock_offset(result)
         if not checked:  # stamps later than now on the writer's clock: rejected (budget.py)
             slack = STAMP_SLACK_NS if offset else 0
@@ -327,8 +319,12 @@ class Target:
             if snapshot is not result.snapshot:
                 result = msgspec.structs.replace(result, snapshot=snapshot)
                 self._cost_of = snapshot
-        if not reader.writer_alive():
->>>>>>> truth-gateway
+        if _state_byte(reader) == layout.STATE_FAULTED:
+            # The engine's own fatal-error path said so: dead now, though its process may
+            # still hold the lock while it is torn down, and dead after, whoever stops it.
+            state, kind = DEAD, FAULTED_KIND
+            error = faulted_message(self.name, reader.writer_alive())
+        elif not reader.writer_alive():
             closed = _closed(reader)
             state, error = DEAD, dead_message(self.name, closed)
             kind = CLOSED_KIND if closed else ""
