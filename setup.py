@@ -1,4 +1,5 @@
-"""Build the one C extension: seqlock fences, slot publish and guarded slot copy.
+"""Build the one C extension: seqlock fences, slot publish, guarded slot copy, and the
+payload's record lengths (the reader's "every value has a name" check).
 
 Everything else is in pyproject.toml; setuptools still needs ext_modules here.
 """

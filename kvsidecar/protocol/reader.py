@@ -179,6 +179,9 @@ class SegmentReader:
         self.inode = 0
         self.header: layout.Header | None = None
         self.capabilities: Capabilities | None = None
+        # How many names the directory gives the snapshot array, the runtime record and a
+        # pool record: no record may hold more values (segment-format.md section 5).
+        self._named = (0, 0, 0)
         self._decoder = msgspec.msgpack.Decoder(Snapshot)
 
     @property
@@ -243,6 +246,7 @@ class SegmentReader:
             return error
         self.fd, self.mm, self.inode = fd, mm, st.st_ino
         self.header, self.capabilities = header, caps
+        self._named = (len(caps.snapshot_fields), len(caps.runtime_fields), len(caps.pool_fields))
         return None
 
     # -- read -------------------------------------------------------------------
@@ -306,6 +310,11 @@ class SegmentReader:
             if isinstance(lenient, str):
                 return Corrupt(f"segment {self.path}: payload does not decode ({lenient})")
             snapshot, rejected = lenient
+        lengths, named = _seqlock.record_lengths(payload), self._named
+        if lengths is None or not (
+            lengths[0] <= named[0] and lengths[1] <= named[1] and lengths[3] <= named[2]
+        ):
+            return Corrupt(f"segment {self.path}: {unnamed_values(lengths, named)}")
         return Reading(
             snapshot=snapshot,
             seq=seq,
@@ -422,6 +431,33 @@ def decode_lenient(payload: bytes | memoryview) -> tuple[Snapshot, tuple[str, ..
             return pool
         pools.append(pool)
     return Snapshot(runtime=runtime, pools=pools), tuple(rejected)  # type: ignore[arg-type]
+
+
+_NAMED_BY = ("snapshot_fields", "runtime_fields", "pool_fields")
+
+
+def unnamed_values(
+    lengths: tuple[int, int, int, int] | None, named: tuple[int, int, int]
+) -> str | None:
+    """Why a payload holds a value its directory gives no name (segment-format.md section
+    5: the snapshot array, the runtime record or a pool record longer than its list of
+    names), else None. Decoding by position would serve that value and zipping names drop
+    it: with 10 runtime names and 26 values, the identity fields. ``lengths`` is
+    ``_seqlock.record_lengths(payload)``: (top, runtime, pools, longest pool)."""
+    if lengths is None:
+        return "payload is not a [runtime, pools] array"
+    top, runtime, _, pool = lengths
+    for what, n, names, key in (
+        ("the snapshot array", top, named[0], _NAMED_BY[0]),
+        ("the runtime record", runtime, named[1], _NAMED_BY[1]),
+        ("a pool record", pool, named[2], _NAMED_BY[2]),
+    ):
+        if n > names:
+            return (
+                f"{what} holds {n} values but the directory names {names} ({key}): a "
+                "value with no name (a writer that appends a field appends its name)"
+            )
+    return None
 
 
 def _fields_struct(fields: list[tuple[int, str]]) -> struct.Struct:

@@ -67,9 +67,7 @@ def test_every_state_but_up_names_its_error_kind(shm_dir: str) -> None:
     try:
         stop(pids[KILLED])  # SIGKILL: the file stays, nobody holds the lock
         os.kill(pids[STOPPED], signal.SIGSTOP)  # hung: lock held, no publish, no heartbeat
-        daemon, url = start_daemon(
-            shm_dir, "--poll-interval", "0.05", "--stale-after", STALE_AFTER
-        )
+        daemon, url = start_daemon(shm_dir, "--poll-interval", "0.05", "--stale-after", STALE_AFTER)
         records: list[dict] = []
 
         def settled() -> bool:

@@ -235,6 +235,13 @@ def _decode(payload: bytes, caps: dict, s: int, head: dict) -> DocResult:
     runtime, pools = record[0], record[1]
     if not isinstance(runtime, list) or not all(isinstance(p, list) for p in pools):
         return DocResult("corrupt", **head)
+    # Section 5: every value has a name; an array longer than its list of names is Corrupt.
+    if (
+        len(record) > len(caps["snapshot_fields"])
+        or len(runtime) > len(caps["runtime_fields"])
+        or any(len(p) > len(caps["pool_fields"]) for p in pools)
+    ):
+        return DocResult("corrupt", **head)
     rejected: list[str] = []
     r = _record(runtime, caps["runtime_fields"], TABLES["RuntimeSnapshot"], "runtime.", rejected)
     ps = [

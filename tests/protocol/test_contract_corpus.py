@@ -91,9 +91,14 @@ def _payload(obj: object) -> Callable[[SegmentWriter], None]:
     return lambda w: w.publish_bytes(msgspec.msgpack.encode(obj))
 
 
-def _dir(obj: object) -> Callable[[SegmentWriter], None]:
+def _dir(obj: object, payload: object = None) -> Callable[[SegmentWriter], None]:
+    """Publish (the sample snapshot, or these records), then replace the directory."""
+
     def apply(w: SegmentWriter) -> None:
-        w.publish(sample_snapshot(9))
+        if payload is None:
+            w.publish(sample_snapshot(9))
+        else:
+            w.publish_bytes(msgspec.msgpack.encode(payload))
         _directory(w.path, msgspec.msgpack.encode(obj))
 
     return apply
@@ -177,7 +182,26 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
     ),
     ("pool_names_swapped", _dir(_caps(pool_fields=_swapped(POOL, 8, 10))), "corrupt", set()),
     ("snapshot_fields_short", _dir(_caps(snapshot_fields=["runtime"])), "corrupt", set()),
-    ("older_minor_fewer_names", _dir(_caps(runtime_fields=RUNTIME[:20])), "ok", set()),
+    # An older minor names fewer fields and sends as many values.
+    (
+        "older_minor_fewer_names",
+        _dir(_caps(runtime_fields=RUNTIME[:20]), _records(runtime=_runtime()[:20])),
+        "ok",
+        set(),
+    ),
+    # Issue 41 item 5: more values than names. Zipping names (section 5's example) would
+    # drop the unnamed values, decoding by position serve them: refused, whatever they are.
+    # Ten names leave even the identity fields unnamed.
+    ("runtime_more_values_than_names", _dir(_caps(runtime_fields=RUNTIME[:10])), "corrupt", set()),
+    ("runtime_one_value_unnamed", _dir(_caps(runtime_fields=RUNTIME[:-1])), "corrupt", set()),
+    ("pool_more_values_than_names", _dir(_caps(pool_fields=POOL[:20])), "corrupt", set()),
+    ("pool_one_value_unnamed", _dir(_caps(pool_fields=POOL[:-1])), "corrupt", set()),
+    (
+        "snapshot_more_elements_than_names",
+        _dir(_caps(), [*_records(), "future"]),
+        "corrupt",
+        set(),
+    ),
     # Issue 30 item 5: a known name again after the last known one. Zipping names reads the
     # later value, decoding by position the earlier one: refused.
     ("runtime_name_twice", _dir(_caps(runtime_fields=[*RUNTIME, "step"])), "corrupt", set()),
@@ -194,8 +218,22 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
     ("payload_pool_not_array", _payload([_runtime(), [5]]), "corrupt", set()),
     ("payload_trailing_bytes", _raw(_GOOD + b"\xc0"), "corrupt", set()),
     ("payload_not_msgpack", _raw(b"\xc1\xc1"), "corrupt", set()),
-    ("payload_extra_element", _payload([*_records(), "future"]), "ok", set()),
-    ("pool_extra_element", _payload(_records(pools=[[*_pool(), 7]])), "ok", set()),
+    # A newer minor's appended elements, named in its directory: ignored by a reader that
+    # does not know them. Unnamed, the same elements are Corrupt (section 5).
+    (
+        "payload_extra_element",
+        _dir(_caps(snapshot_fields=["runtime", "pools", "future"]), [*_records(), "future"]),
+        "ok",
+        set(),
+    ),
+    (
+        "pool_extra_element",
+        _dir(_caps(pool_fields=[*POOL, "future"]), _records(pools=[[*_pool(), 7]])),
+        "ok",
+        set(),
+    ),
+    ("payload_extra_element_unnamed", _payload([*_records(), "future"]), "corrupt", set()),
+    ("pool_extra_element_unnamed", _payload(_records(pools=[[*_pool(), 7]])), "corrupt", set()),
     ("slot_bytes_after_payload", _slot_tail(b"\xc1garbage"), "ok", set()),
     # Issue 30 item 4: a record that ends early. A field past its end reads as null (never
     # the writer's default: engine "unknown", pid 0, 0 blocks, 0 layers), and the snapshot
@@ -330,3 +368,24 @@ def test_both_readers_agree_on_the_fuzz_corpus(shm_dir: str) -> None:
         reader.close()
         ours = "ok" if not hasattr(got, "kind") else got.kind
         assert (doc_reader.read(path).kind, ours) == (ours, name.rsplit("-", 1)[0]), name
+
+
+def test_documents_state_that_every_value_has_a_name() -> None:
+    """Issue 41 item 5: the rule the *_than_names cases hold both readers to, written where
+    a reader is written from, and the section 5 example checks it before it zips."""
+    from tests.conftest import REPO
+
+    def flat(doc: str) -> str:
+        with open(os.path.join(REPO, "docs", doc)) as f:
+            return " ".join(f.read().split())
+
+    fmt, schema = flat("segment-format.md"), flat("schema.md")
+    for rule in (
+        "**No value without a name**: the payload array holds at most as many elements as "
+        "`snapshot_fields` names",
+        "**Every value has a name** (checked on each payload, section 5)",
+        "a minor that appends a field appends its name to the directory's list",
+        'assert len(runtime) <= len(caps["runtime_fields"]) # else Corrupt',
+    ):
+        assert rule in fmt, rule
+    assert "every value has one (a record with more values than its list names is" in schema

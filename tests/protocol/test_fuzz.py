@@ -183,3 +183,86 @@ def test_payload_decoder_never_crashes(data: bytes) -> None:
         decode_snapshot(data)
     except (msgspec.DecodeError, msgspec.ValidationError):
         pass
+
+
+def _lengths_by_decoding(data: bytes) -> tuple[int, int, int, int] | None:
+    """What `_seqlock.record_lengths` must say of a payload msgspec decodes in full."""
+    obj = msgspec.msgpack.decode(data)
+    if not (isinstance(obj, list) and len(obj) >= 2 and isinstance(obj[0], list)):
+        return None
+    if not (isinstance(obj[1], list) and all(isinstance(p, list) for p in obj[1])):
+        return None
+    return len(obj), len(obj[0]), len(obj[1]), max((len(p) for p in obj[1]), default=0)
+
+
+def _random_value(rng: random.Random, depth: int = 0) -> object:
+    """A value of every msgpack family, containers nested up to 3 deep."""
+    kind = rng.randrange(9 if depth < 2 else 7)
+    if kind == 0:
+        return rng.choice([None, True, False])
+    if kind == 1:
+        return rng.randint(-(2**63), 2**64 - 1) >> rng.randrange(64)
+    if kind == 2:
+        return rng.random() * 10 ** rng.randint(-5, 300)
+    big = 70000 if depth == 0 and rng.random() < 0.05 else 0  # a 32-bit length, rarely
+    if kind == 3:
+        return "é" * (big or rng.choice([0, 5, 31, 32, 300]))
+    if kind == 4:
+        return b"b" * (big or rng.choice([0, 1, 255, 256]))
+    if kind == 5:
+        return msgspec.msgpack.Ext(rng.randrange(128), b"e" * rng.choice([1, 2, 4, 8, 16, 3, 300]))
+    if kind == 6:
+        return -rng.randint(1, 40)
+    if big:  # a 32-bit array or map header
+        return list(range(big)) if kind == 7 else {str(i): i for i in range(big)}
+    n = rng.choice([0, 1, 15, 16, 17])
+    if kind == 7:
+        return [_random_value(rng, depth + 1) for _ in range(n)]
+    return {str(i): _random_value(rng, depth + 1) for i in range(n)}
+
+
+def test_record_lengths_agree_with_a_full_decode() -> None:
+    """The C walker behind section 5's "no value without a name" counts the elements a full
+    decode finds, whatever the values are (every msgpack type, nested maps and arrays,
+    array and map headers of each width, big strings, ext)."""
+    from kvsidecar.protocol import _seqlock
+
+    rng = random.Random(5)
+    for _ in range(300):
+        runtime = [_random_value(rng) for _ in range(rng.choice([0, 3, 15, 16, 26, 70]))]
+        pools = [
+            [_random_value(rng) for _ in range(rng.choice([0, 2, 16, 50]))]
+            for _ in range(rng.choice([0, 1, 4, 16]))
+        ]
+        data = msgspec.msgpack.encode([runtime, pools, *([0] * rng.choice([0, 1, 20]))])
+        assert _seqlock.record_lengths(data) == _lengths_by_decoding(data)
+    not_records = ([1], [[1], 2], [[1], [3]], {"a": 1}, 7, [[1], [[1], 2]], [1, []])
+    for obj in not_records:
+        assert _seqlock.record_lengths(msgspec.msgpack.encode(obj)) is None, obj
+
+
+def test_record_lengths_of_mutated_payloads_are_a_full_decodes_or_nothing() -> None:
+    """Mutated payloads: where msgspec decodes the whole payload, the walker agrees with it;
+    elsewhere it returns a tuple or None, and never reads past the payload (cut short)."""
+    from kvsidecar.protocol import _seqlock
+
+    rng = random.Random(41)
+    seeds = [encode_snapshot(sample_snapshot(k, pools=k % 5)) for k in range(1, 20)]
+    seeds.append(msgspec.msgpack.encode([[{"a": [1, 2.5, b"x" * 300]}], [[None] * 70], "x"]))
+    agreed = 0
+    for _ in range(CASES):
+        data = bytearray(rng.choice(seeds))
+        for _ in range(rng.randint(1, 4)):
+            i = rng.randrange(len(data))
+            data[i] = rng.randrange(256)
+        if rng.random() < 0.3:
+            del data[rng.randrange(len(data)) :]
+        got = _seqlock.record_lengths(bytes(data))
+        try:
+            want = _lengths_by_decoding(bytes(data))
+        except (msgspec.DecodeError, ValueError, OverflowError):
+            assert got is None or isinstance(got, tuple)
+            continue
+        assert got == want, bytes(data).hex()
+        agreed += 1
+    assert agreed > CASES // 10
