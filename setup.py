@@ -1,5 +1,4 @@
-"""Build the one C extension: seqlock fences, slot publish, guarded slot copy, and the
-payload's record lengths (the reader's "every value has a name" check).
+"""Build the one C extension: seqlock fences, slot publish and guarded slot copy.
 
 Everything else is in pyproject.toml; setuptools still needs ext_modules here.
 """

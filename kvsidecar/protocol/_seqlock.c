@@ -41,10 +41,6 @@
  * thread-local sigjmp_buf and the handler jumps back, turning the fault into
  * an error status. Faults outside a guarded copy go to the previous handler.
  *
- * One helper beside the latch, for the reader: record_lengths() counts the elements of
- * a payload's arrays (every value needs a name in the directory, docs/segment-format.md
- * section 5) in one pass, where Python took half a read.
- *
  * The latch itself (latch_publish, latch_read) uses no Python API: with
  * -DKVSIDECAR_LATCH_ONLY this file compiles without Python.h, which is how
  * tests/protocol/aarch64/stress.c runs these exact code paths under qemu.
@@ -495,105 +491,6 @@ static PyObject *py_copy_range(PyObject *self, PyObject *args) {
     return out;
 }
 
-/* The payload's shape, for the rule "no record holds more values than the directory
- * names" (docs/segment-format.md section 5): a typed decode skips trailing elements, and
- * walking the records in Python cost half a read (2 us of 4, 8 pools). Lengths only: the
- * typed decode has already judged every value. */
-
-/* The element count of the msgpack array at p[*pos], moving *pos past its header;
- * -1 if it is not an array or is cut short. */
-static int64_t mp_array_header(const uint8_t *p, size_t n, size_t *pos) {
-    if (*pos >= n) return -1;
-    uint8_t b = p[(*pos)++];
-    if (b >= 0x90 && b <= 0x9f) return b & 0x0f;
-    size_t width = b == 0xdc ? 2 : b == 0xdd ? 4 : 0;
-    if (width == 0 || n - *pos < width) return -1;
-    uint64_t v = 0;
-    for (size_t i = 0; i < width; i++) v = (v << 8) | p[(*pos)++];
-    return (int64_t)v;
-}
-
-/* Move *pos past `count` whole msgpack objects (nested ones too, without recursion: a
- * container adds its elements to what is left to skip). 0, or -1 if malformed or cut. */
-static int mp_skip(const uint8_t *p, size_t n, size_t *pos, uint64_t count) {
-    while (count > 0) {
-        if (*pos >= n) return -1;
-        uint8_t b = p[(*pos)++];
-        count--;
-        uint64_t skip = 0, add = 0; /* bytes to step over, elements to add */
-        size_t width = 0;           /* bytes of a big-endian length that follows */
-        if (b <= 0x7f || b >= 0xe0 || b == 0xc0 || b == 0xc2 || b == 0xc3) {
-            /* fixint, nil, false, true */
-        } else if (b <= 0x8f) {
-            add = 2 * (uint64_t)(b & 0x0f); /* fixmap */
-        } else if (b <= 0x9f) {
-            add = b & 0x0f; /* fixarray */
-        } else if (b <= 0xbf) {
-            skip = b & 0x1f; /* fixstr */
-        } else {
-            switch (b) {
-            case 0xcc: case 0xd0: skip = 1; break;             /* u8, i8 */
-            case 0xcd: case 0xd1: skip = 2; break;             /* u16, i16 */
-            case 0xca: case 0xce: case 0xd2: skip = 4; break;  /* f32, u32, i32 */
-            case 0xcb: case 0xcf: case 0xd3: skip = 8; break;  /* f64, u64, i64 */
-            case 0xd4: skip = 2; break;                        /* fixext 1..16: type + data */
-            case 0xd5: skip = 3; break;
-            case 0xd6: skip = 5; break;
-            case 0xd7: skip = 9; break;
-            case 0xd8: skip = 17; break;
-            case 0xc4: case 0xd9: width = 1; break;            /* bin8, str8 */
-            case 0xc5: case 0xda: width = 2; break;            /* bin16, str16 */
-            case 0xc6: case 0xdb: width = 4; break;            /* bin32, str32 */
-            case 0xc7: width = 1; skip = 1; break;             /* ext8/16/32: + type */
-            case 0xc8: width = 2; skip = 1; break;
-            case 0xc9: width = 4; skip = 1; break;
-            case 0xdc: case 0xdd: case 0xde: case 0xdf: width = b & 1 ? 4 : 2; break;
-            default: return -1; /* 0xc1: never used */
-            }
-        }
-        if (width) {
-            if (n - *pos < width) return -1;
-            uint64_t v = 0;
-            for (size_t i = 0; i < width; i++) v = (v << 8) | p[(*pos)++];
-            if (b >= 0xdc) add = b >= 0xde ? 2 * v : v; /* array16/32, map16/32 */
-            else skip += v;
-        }
-        if (skip > n - *pos) return -1;
-        *pos += (size_t)skip;
-        /* Every element takes at least a byte: more than are left is a lie, not a size. */
-        if (add > n - *pos || count + add > n - *pos) return -1;
-        count += add;
-    }
-    return 0;
-}
-
-/* record_lengths(payload) -> (top, runtime, pools, longest_pool) or None: the element
- * counts of the payload array, its runtime record, its pools array and its longest pool
- * record; None when it is not [runtime array, array of arrays, ...] or is malformed. */
-static PyObject *py_record_lengths(PyObject *self, PyObject *arg) {
-    Py_buffer b;
-    (void)self;
-    if (PyObject_GetBuffer(arg, &b, PyBUF_SIMPLE) < 0) return NULL;
-    const uint8_t *p = b.buf;
-    size_t n = (size_t)b.len, pos = 0;
-    int64_t top = mp_array_header(p, n, &pos), runtime = -1, pools = -1, longest = 0;
-    if (top >= 2 && (runtime = mp_array_header(p, n, &pos)) >= 0 &&
-        mp_skip(p, n, &pos, (uint64_t)runtime) == 0 && (pools = mp_array_header(p, n, &pos)) >= 0) {
-        for (int64_t i = 0; i < pools; i++) {
-            int64_t len = mp_array_header(p, n, &pos);
-            if (len < 0 || mp_skip(p, n, &pos, (uint64_t)len) != 0) {
-                pools = -1;
-                break;
-            }
-            if (len > longest) longest = len;
-        }
-    }
-    PyBuffer_Release(&b);
-    if (top < 2 || runtime < 0 || pools < 0) Py_RETURN_NONE;
-    return Py_BuildValue("LLLL", (long long)top, (long long)runtime, (long long)pools,
-                         (long long)longest);
-}
-
 static PyObject *py_install_sigbus_guard(PyObject *self, PyObject *unused) {
     (void)self;
     (void)unused;
@@ -635,8 +532,6 @@ static PyMethodDef methods[] = {
     {"copy_range", py_copy_range, METH_VARARGS,
      "copy_range(segment, offset, length) -> bytes or None if the pages are gone."},
     {"crc32", py_crc32, METH_O, "crc32(data) -> int, identical to zlib.crc32."},
-    {"record_lengths", py_record_lengths, METH_O,
-     "record_lengths(payload) -> (top, runtime, pools, longest_pool) element counts, or None."},
     {"install_sigbus_guard", py_install_sigbus_guard, METH_NOARGS,
      "Install the SIGBUS handler that turns faults in guarded copies into errors."},
     {"fence_acquire", py_fence_acquire, METH_NOARGS, "atomic_thread_fence(acquire)."},

@@ -114,6 +114,13 @@ class WriterDead(_WithLast):
     kind = "writer_dead"
 
 
+class Faulted(WriterDead):
+    """The writer marked the segment FAULTED: the engine hit a fatal error. Dead whether or
+    not its process still holds the lock (it is being torn down, and publishes no more)."""
+
+    kind = "faulted"
+
+
 class Stale(_WithLast):
     """The writer is alive but its heartbeat is older than allowed (hung, SIGSTOPped)."""
 
@@ -179,9 +186,10 @@ class SegmentReader:
         self.inode = 0
         self.header: layout.Header | None = None
         self.capabilities: Capabilities | None = None
-        # How many names the directory gives the snapshot array, the runtime record and a
-        # pool record: no record may hold more values (segment-format.md section 5).
-        self._named = (0, 0, 0)
+        # How many positions the directory names in a runtime and in a pool record: only
+        # those are read (segment-format.md section 5). None while it names at least every
+        # field this reader knows, the usual case, where the typed decode reads no other.
+        self._named: tuple[int, int] | None = None
         self._decoder = msgspec.msgpack.Decoder(Snapshot)
 
     @property
@@ -246,7 +254,9 @@ class SegmentReader:
             return error
         self.fd, self.mm, self.inode = fd, mm, st.st_ino
         self.header, self.capabilities = header, caps
-        self._named = (len(caps.snapshot_fields), len(caps.runtime_fields), len(caps.pool_fields))
+        named = (len(caps.runtime_fields), len(caps.pool_fields))
+        known = (len(RuntimeSnapshot.__struct_fields__), len(KVCachePoolSnapshot.__struct_fields__))
+        self._named = None if named[0] >= known[0] and named[1] >= known[1] else named
         return None
 
     # -- read -------------------------------------------------------------------
@@ -297,8 +307,10 @@ class SegmentReader:
         try:
             snapshot = self._decoder.decode(payload)
             # A record cut short got the writer's defaults (engine "unknown", pid 0) where
-            # nothing was sent (schema._Unsent): read it field by field instead.
-            complete = unsent_count() == unsent
+            # nothing was sent (schema._Unsent), and a directory naming fewer fields than
+            # this reader knows leaves values with no name, which the typed decode read:
+            # read it field by field instead (the typed decode still ran: its budget).
+            complete = unsent_count() == unsent and self._named is None
         except msgspec.ValidationError:
             complete = False  # a value of the wrong type
         except msgspec.DecodeError as e:
@@ -306,15 +318,10 @@ class SegmentReader:
         if not complete:
             # Only the wrong or missing value is null (schema.md, "Values"), unless it is
             # an identity field.
-            lenient = decode_lenient(payload)
+            lenient = decode_lenient(payload, self._named)
             if isinstance(lenient, str):
                 return Corrupt(f"segment {self.path}: payload does not decode ({lenient})")
             snapshot, rejected = lenient
-        lengths, named = _seqlock.record_lengths(payload), self._named
-        if lengths is None or not (
-            lengths[0] <= named[0] and lengths[1] <= named[1] and lengths[3] <= named[2]
-        ):
-            return Corrupt(f"segment {self.path}: {unnamed_values(lengths, named)}")
         return Reading(
             snapshot=snapshot,
             seq=seq,
@@ -410,10 +417,27 @@ def _lenient_record(
     return record(**kwargs)
 
 
-def decode_lenient(payload: bytes | memoryview) -> tuple[Snapshot, tuple[str, ...]] | str:
+def _lenient_named(
+    record: type[msgspec.Struct], values: object, n: int | None, prefix: str, rejected: list[str]
+) -> msgspec.Struct | str:
+    """`_lenient_record` of the values the directory names (its first n; all: None)."""
+    if n is None or not isinstance(values, list) or len(values) <= n:
+        return _lenient_record(record, values, prefix, rejected)
+    got = _lenient_record(record, values[:n], prefix, rejected)
+    if isinstance(got, str):
+        return f"{got} named by the directory, of {len(values)} values"
+    return got
+
+
+def decode_lenient(
+    payload: bytes | memoryview, named: tuple[int, int] | None = None
+) -> tuple[Snapshot, tuple[str, ...]] | str:
     """Decode a payload field by field: each value of the wrong type becomes None and is
     named in the tuple, each field past a record's end is None (not named: unsent); a
-    wrong structure, or an identity field wrong or missing, is the error."""
+    wrong structure, or an identity field wrong or missing, is the error. ``named``: how
+    many positions the directory names in a runtime and a pool record; a record ends
+    at its last named value (segment-format.md section 5: a value with no name is not
+    read, so zipping names and decoding by position agree)."""
     try:
         obj = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
@@ -421,43 +445,17 @@ def decode_lenient(payload: bytes | memoryview) -> tuple[Snapshot, tuple[str, ..
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
         return "not a [runtime, pools] array"
     rejected: list[str] = []
-    runtime = _lenient_record(RuntimeSnapshot, obj[0], "runtime.", rejected)
+    n_runtime, n_pool = named or (None, None)
+    runtime = _lenient_named(RuntimeSnapshot, obj[0], n_runtime, "runtime.", rejected)
     if isinstance(runtime, str):
         return runtime
     pools = []
     for values in obj[1]:
-        pool = _lenient_record(KVCachePoolSnapshot, values, "pool.", rejected)
+        pool = _lenient_named(KVCachePoolSnapshot, values, n_pool, "pool.", rejected)
         if isinstance(pool, str):
             return pool
         pools.append(pool)
     return Snapshot(runtime=runtime, pools=pools), tuple(rejected)  # type: ignore[arg-type]
-
-
-_NAMED_BY = ("snapshot_fields", "runtime_fields", "pool_fields")
-
-
-def unnamed_values(
-    lengths: tuple[int, int, int, int] | None, named: tuple[int, int, int]
-) -> str | None:
-    """Why a payload holds a value its directory gives no name (segment-format.md section
-    5: the snapshot array, the runtime record or a pool record longer than its list of
-    names), else None. Decoding by position would serve that value and zipping names drop
-    it: with 10 runtime names and 26 values, the identity fields. ``lengths`` is
-    ``_seqlock.record_lengths(payload)``: (top, runtime, pools, longest pool)."""
-    if lengths is None:
-        return "payload is not a [runtime, pools] array"
-    top, runtime, _, pool = lengths
-    for what, n, names, key in (
-        ("the snapshot array", top, named[0], _NAMED_BY[0]),
-        ("the runtime record", runtime, named[1], _NAMED_BY[1]),
-        ("a pool record", pool, named[2], _NAMED_BY[2]),
-    ):
-        if n > names:
-            return (
-                f"{what} holds {n} values but the directory names {names} ({key}): a "
-                "value with no name (a writer that appends a field appends its name)"
-            )
-    return None
 
 
 def _fields_struct(fields: list[tuple[int, str]]) -> struct.Struct:
@@ -600,8 +598,11 @@ def read_segment(
             return error
         result = reader.read()
         last = result if isinstance(result, Reading) else None
+        state = _state(reader)
+        if state == layout.STATE_FAULTED:
+            return Faulted(faulted_message(name, reader.writer_alive()), last)
         if not reader.writer_alive():
-            return WriterDead(dead_message(name, _state(reader) == layout.STATE_CLOSED), last)
+            return WriterDead(dead_message(name, state == layout.STATE_CLOSED), last)
         if last is not None and stale_after is not None and last.age_seconds() > stale_after:
             return Stale(stale_message(name, last, last.age_seconds(), stale_after), last)
         return result
@@ -613,6 +614,12 @@ def dead_message(name: str, closed: bool) -> str:
     if closed:
         return f"segment {name}: closed cleanly by its writer (engine shut down)"
     return f"segment {name}: writer is gone (no process holds its lock)"
+
+
+def faulted_message(name: str, alive: bool) -> str:
+    """The state byte says FAULTED: the engine's own fatal-error path marked it."""
+    tail = "its process is still being torn down" if alive else "its writer is gone"
+    return f"segment {name}: the engine reported a fatal error (state FAULTED; {tail})"
 
 
 def stale_message(name: str, reading: Reading, age: float, stale_after: float) -> str:

@@ -207,6 +207,8 @@ def _record(
     """Zip positions with the directory's names; None if an identity value is wrong."""
     kinds = dict(table)
     out: dict[str, Any] = {}
+    # Section 5: "a value with no name is not read": the record ends at its last name.
+    values = values[: len(names)]
     # schema.md "Values": a field past the record's end reads as null, not counted; an
     # identity field there (one that cannot be null) makes the snapshot Corrupt.
     for name, kind in table[len(values) :]:
@@ -234,13 +236,6 @@ def _decode(payload: bytes, caps: dict, s: int, head: dict) -> DocResult:
         return DocResult("corrupt", **head)
     runtime, pools = record[0], record[1]
     if not isinstance(runtime, list) or not all(isinstance(p, list) for p in pools):
-        return DocResult("corrupt", **head)
-    # Section 5: every value has a name; an array longer than its list of names is Corrupt.
-    if (
-        len(record) > len(caps["snapshot_fields"])
-        or len(runtime) > len(caps["runtime_fields"])
-        or any(len(p) > len(caps["pool_fields"]) for p in pools)
-    ):
         return DocResult("corrupt", **head)
     rejected: list[str] = []
     r = _record(runtime, caps["runtime_fields"], TABLES["RuntimeSnapshot"], "runtime.", rejected)

@@ -147,6 +147,9 @@ def _slot_tail(data: bytes) -> Callable[[SegmentWriter], None]:
 
 
 _GOOD = msgspec.msgpack.encode(_records())
+# Non-null values for fields a short directory leaves unnamed (runtime 20.., pool 20..).
+_UNNAMED_RT = {"device_free_bytes": 5, "instance": "i", "preemptions_total": 7}
+_UNNAMED_POOL = {"deferred_free_requests": 2, "deferred_free_expired_ns_total": 9}
 NAN, INF = float("nan"), float("inf")
 
 # (case, what the writer does, the documented verdict, the fields read as null)
@@ -189,23 +192,36 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
         "ok",
         set(),
     ),
-    # Issue 41 item 5: more values than names. Zipping names (section 5's example) would
-    # drop the unnamed values, decoding by position serve them: refused, whatever they are.
-    # Ten names leave even the identity fields unnamed.
+    # Issue 41 item 5: more values than names. A value with no name is not read (section
+    # 5): zipping names drops it, so decoding by position must too. The record ends at its
+    # last name: the fields past it read as null, Corrupt when one is an identity field
+    # (ten names leave the ranks unnamed). Each unnamed value here is non-null, so a reader
+    # that still served it would differ from the zip.
     ("runtime_more_values_than_names", _dir(_caps(runtime_fields=RUNTIME[:10])), "corrupt", set()),
-    ("runtime_one_value_unnamed", _dir(_caps(runtime_fields=RUNTIME[:-1])), "corrupt", set()),
-    ("pool_more_values_than_names", _dir(_caps(pool_fields=POOL[:20])), "corrupt", set()),
-    ("pool_one_value_unnamed", _dir(_caps(pool_fields=POOL[:-1])), "corrupt", set()),
     (
-        "snapshot_more_elements_than_names",
-        _dir(_caps(), [*_records(), "future"]),
-        "corrupt",
+        "runtime_values_past_the_names",
+        _dir(_caps(runtime_fields=RUNTIME[:20]), _records(runtime=_runtime(**_UNNAMED_RT))),
+        "ok",
         set(),
     ),
-    # Issue 30 item 5: a known name again after the last known one. Zipping names reads the
-    # later value, decoding by position the earlier one: refused.
-    ("runtime_name_twice", _dir(_caps(runtime_fields=[*RUNTIME, "step"])), "corrupt", set()),
-    ("pool_name_twice", _dir(_caps(pool_fields=[*POOL, "future", "pool_name"])), "corrupt", set()),
+    (
+        "runtime_one_value_unnamed",
+        _dir(_caps(runtime_fields=RUNTIME[:-1]), _records(runtime=_runtime(preemptions_total=7))),
+        "ok",
+        set(),
+    ),
+    (
+        "pool_values_past_the_names",
+        _dir(_caps(pool_fields=POOL[:20]), _records(pools=[_pool(**_UNNAMED_POOL)])),
+        "ok",
+        set(),
+    ),
+    (
+        "pool_one_value_unnamed",
+        _dir(_caps(pool_fields=POOL[:-1]), _records(pools=[_pool(**_UNNAMED_POOL)])),
+        "ok",
+        set(),
+    ),
     ("features_not_a_map", _dir(_caps(features=["deferred_free"])), "corrupt", set()),
     ("features_value_not_bool", _dir(_caps(features={"deferred_free": 1})), "corrupt", set()),
     ("field_names_not_str", _dir(_caps(pool_fields=[*POOL, 7])), "corrupt", set()),
@@ -218,22 +234,8 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
     ("payload_pool_not_array", _payload([_runtime(), [5]]), "corrupt", set()),
     ("payload_trailing_bytes", _raw(_GOOD + b"\xc0"), "corrupt", set()),
     ("payload_not_msgpack", _raw(b"\xc1\xc1"), "corrupt", set()),
-    # A newer minor's appended elements, named in its directory: ignored by a reader that
-    # does not know them. Unnamed, the same elements are Corrupt (section 5).
-    (
-        "payload_extra_element",
-        _dir(_caps(snapshot_fields=["runtime", "pools", "future"]), [*_records(), "future"]),
-        "ok",
-        set(),
-    ),
-    (
-        "pool_extra_element",
-        _dir(_caps(pool_fields=[*POOL, "future"]), _records(pools=[[*_pool(), 7]])),
-        "ok",
-        set(),
-    ),
-    ("payload_extra_element_unnamed", _payload([*_records(), "future"]), "corrupt", set()),
-    ("pool_extra_element_unnamed", _payload(_records(pools=[[*_pool(), 7]])), "corrupt", set()),
+    ("payload_extra_element", _payload([*_records(), "future"]), "ok", set()),
+    ("pool_extra_element", _payload(_records(pools=[[*_pool(), 7]])), "ok", set()),
     ("slot_bytes_after_payload", _slot_tail(b"\xc1garbage"), "ok", set()),
     # Issue 30 item 4: a record that ends early. A field past its end reads as null (never
     # the writer's default: engine "unknown", pid 0, 0 blocks, 0 layers), and the snapshot
@@ -299,12 +301,13 @@ def test_both_readers_agree_with_the_documents(shm_dir: str, case: str) -> None:
     )
     assert set(doc.rejected) == rejected == want_rejected
     if served is not None:
-        for name, v in doc.runtime.items():
-            if name in served["runtime"]:
-                assert served["runtime"][name] == v, name
+        # Every field ours serves, the doc reader read too, with the same value (a newer
+        # minor's fields are the doc reader's alone).
+        assert set(served["runtime"]) <= set(doc.runtime)
+        assert served["runtime"] == {k: doc.runtime[k] for k in served["runtime"]}
         assert len(doc.pools) == len(served["pools"])
         for d, p in zip(doc.pools, served["pools"]):
-            assert {k: p[k] for k in d if k in p} == {k: v for k, v in d.items() if k in p}
+            assert set(p) <= set(d) and p == {k: d[k] for k in p}
 
 
 def test_oversized_directory_is_corrupt_for_both(
@@ -370,9 +373,9 @@ def test_both_readers_agree_on_the_fuzz_corpus(shm_dir: str) -> None:
         assert (doc_reader.read(path).kind, ours) == (ours, name.rsplit("-", 1)[0]), name
 
 
-def test_documents_state_that_every_value_has_a_name() -> None:
-    """Issue 41 item 5: the rule the *_than_names cases hold both readers to, written where
-    a reader is written from, and the section 5 example checks it before it zips."""
+def test_documents_state_that_a_value_with_no_name_is_not_read() -> None:
+    """Issue 41 item 5: the rule the *_names cases hold both readers to, written where a
+    reader is written from."""
     from tests.conftest import REPO
 
     def flat(doc: str) -> str:
@@ -381,11 +384,23 @@ def test_documents_state_that_every_value_has_a_name() -> None:
 
     fmt, schema = flat("segment-format.md"), flat("schema.md")
     for rule in (
-        "**No value without a name**: the payload array holds at most as many elements as "
-        "`snapshot_fields` names",
-        "**Every value has a name** (checked on each payload, section 5)",
+        "**A value with no name is not read**: a runtime record ends at its last name in "
+        "`runtime_fields`, a pool record at its last name in `pool_fields`",
+        "So 10 runtime names and 26 values is `Corrupt` (the ranks have no name)",
         "a minor that appends a field appends its name to the directory's list",
-        'assert len(runtime) <= len(caps["runtime_fields"]) # else Corrupt',
+        "no reader reads a value with no name, zipping and decoding by position give the "
+        "same values",
     ):
         assert rule in fmt, rule
-    assert "every value has one (a record with more values than its list names is" in schema
+    assert "a value with no name is not read (a record ends at its last name" in schema
+    assert "fewer names in the directory's list than it has elements" in schema
+
+
+def test_a_value_with_no_name_is_served_as_null(shm_dir: str) -> None:
+    """The served value itself, not only agreement: 25 runtime names for 26 values, the
+    26th (preemptions_total) 7 on the wire, null in what the daemon serves (it was 7)."""
+    _, apply, _, _ = next(c for c in CASES if c[0] == "runtime_one_value_unnamed")
+    with SegmentWriter(NAME, shm_dir=shm_dir) as w:
+        apply(w)
+        kind, served, _ = _ours(shm_dir)
+    assert kind == "ok" and served["runtime"]["preemptions_total"] is None, served
