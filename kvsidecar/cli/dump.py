@@ -1,7 +1,9 @@
 """``kvsidecar dump`` and ``kvsidecar ls``: look at segments without the daemon.
 
 Both read through the daemon's own `TargetSet`, so what they show is what
-``serve`` would export (same states, same freshness rule). Exit codes: 0 ok,
+``serve`` would export (same states, same freshness rule), except a writer's age at first
+sight: its own heartbeat's in full, where serve caps it (segment-format.md section 6).
+Exit codes: 0 ok,
 1 no target (or none up), 2 usage. Only data goes to stdout; diagnostics go to
 stderr.
 """
@@ -60,7 +62,9 @@ def _targets(
             pattern=pattern,
             allowed_uids=allowed,
         ),
-        polling=Polling(stale_after=stale_after),
+        # One look: a writer's heartbeat age is its own clock's, in full (segment-format.md
+        # section 6), not capped just past --stale-after as serve's first sight is.
+        polling=Polling(stale_after=stale_after, true_first_age=True),
         tuning=Tuning(summary_interval=float("inf")),
     )
     ts.poll_all()

@@ -43,6 +43,10 @@ class Polling:
 
     poll_interval: float = 0.25
     stale_after: float = 5.0
+    # A first sight of a writer believes its own heartbeat age in full (dump, ls: a
+    # one-shot look, where an engine hung for an hour must read an hour), rather than
+    # just past stale_after (serve: the writer's clock may be another time namespace's).
+    true_first_age: bool = False
 
 
 @dataclass(frozen=True)

@@ -98,6 +98,7 @@ class Scan:
         self.allowed_uids = discovery.allowed_uids
         self.max_targets = discovery.max_targets
         self.stale_after = polling.stale_after
+        self.true_first_age = polling.true_first_age
         self.budget = budget
         self.summary_interval = tuning.summary_interval
         self.recheck_per_scan = tuning.recheck_per_scan
@@ -298,6 +299,7 @@ class Scan:
             name,
             self.shm_dir,
             stale_after=self.stale_after,
+            true_first_age=self.true_first_age,
             allowed_uids=self.allowed_uids,
             budget=self.budget,
             explicit=explicit,

@@ -33,9 +33,12 @@ from kvsidecar.daemon.refusals import bump
 from kvsidecar.protocol import _seqlock, layout
 from kvsidecar.protocol.reader import (
     Corrupt,
+    Gone,
     ReadError,
     Reading,
     SegmentReader,
+    Stale,
+    WriterDead,
     dead_message,
     faulted_message,
     stale_message,
@@ -91,7 +94,9 @@ class TargetView:
     name: str
     state: str = NOT_READY
     error: str = ""
-    error_kind: str = ""  # ReadError.kind, or OVER_BUDGET
+    # Why it is not up, as a stable name (segment-format.md section 8): a ReadError.kind,
+    # or one of the kinds below; "" (null) only while up.
+    error_kind: str = "not_ready"
     last: Reading | None = None  # last good reading, kept across dead/stale/corrupt
     # When, on the daemon's clock, the writer last showed progress (Target._still_for).
     progress_mono_ns: int = 0
@@ -113,8 +118,8 @@ class TargetView:
     def age_seconds(self, now_mono_ns: int | None = None) -> float | None:
         """Seconds since the writer last showed progress, on the daemon's clock: the
         writer's clock alone made a live writer 500 s behind (another time namespace)
-        read 500 s old. At first sight its own age is believed up to just past
-        stale_after (Target._still_for)."""
+        read 500 s old. At first sight its own age is believed, up to just past
+        stale_after in serve, in full in dump and ls (Target._still_for)."""
         if self.last is None:
             return None
         if not self.progress_mono_ns:
@@ -124,7 +129,10 @@ class TargetView:
 
 
 CLOSED_KIND = "closed"  # error_kind of a target whose writer closed it cleanly
-PUBLISH_FAILING_KIND = "publish_failing"  # error_kind of a stale target failing to publish
+WRITER_DEAD_KIND = WriterDead.kind  # ... of one whose writer died (no lock, not CLOSED)
+STALE_KIND = Stale.kind  # ... of a live writer that showed no progress (hung, stopped)
+PUBLISH_FAILING_KIND = "publish_failing"  # ... of a stale one failing every publish
+INTERNAL_KIND = "internal_error"  # ... of one whose poll hit a bug of the daemon's own
 
 
 FAULTED_KIND = "faulted"  # error_kind of a target whose engine reported a fatal error
@@ -150,6 +158,7 @@ class Target:
         shm_dir: str,
         *,
         stale_after: float,
+        true_first_age: bool = False,
         allowed_uids: frozenset[int] | None = None,
         budget: Budget | None = None,
         explicit: bool = False,
@@ -158,6 +167,7 @@ class Target:
         self.name = name
         self.note = note or NameThrottle()  # its log lines, throttled per name
         self.stale_after = stale_after
+        self.true_first_age = true_first_age  # Polling.true_first_age: dump and ls
         self.budget = budget or Budget()
         self.explicit = explicit
         self.admitted_mono = time.monotonic()
@@ -205,11 +215,21 @@ class Target:
         """Attach if needed, read, classify. Never raises."""
         with self.lock:
             if self.forgotten:
-                return replace(self.view, state=NOT_READY, error=f"segment {self.name}: forgotten")
+                return replace(
+                    self.view,
+                    state=NOT_READY,
+                    error=f"segment {self.name}: forgotten",
+                    error_kind=Gone.kind,
+                )
             try:
                 view = self._poll()
             except Exception as e:  # a bug must not take the daemon down with it
-                view = replace(self.view, state=CORRUPT, error=f"internal error: {e!r}")
+                view = replace(
+                    self.view,
+                    state=CORRUPT,
+                    error=f"internal error: {e!r}",
+                    error_kind=INTERNAL_KIND,
+                )
             if log_transitions and view.state != self.view.state:
                 self._log_transition(view)
             if view.state == DEAD and self.view.state != DEAD:
@@ -220,12 +240,16 @@ class Target:
 
     def _still_for(self, result: Reading, now: int) -> float:
         """Seconds, on the daemon's clock, since the writer last showed progress. At first
-        sight the writer's own age is believed up to just past stale_after (so an engine
-        already hung reads stale at once when the clocks agree); after that only a
-        changed heartbeat or sequence counts, whatever the writer's clock says."""
+        sight the writer's own age is believed (so an engine already hung reads stale at
+        once when the clocks agree): in serve up to just past stale_after, since a writer
+        in another time namespace stamps its own clock; in full with true_first_age (dump,
+        ls: one look, which must not show an hour-old heartbeat as 6 s old). After that
+        only a changed heartbeat or sequence counts, whatever the writer's clock says."""
         beat = (result.incarnation, result.heartbeat_mono_ns, result.seq)
         if self._beat is None or beat[0] != self._beat[0]:
-            age = min(max(0.0, result.age_seconds(now)), self.stale_after + 1.0)
+            age = max(0.0, result.age_seconds(now))
+            if not self.true_first_age:
+                age = min(age, self.stale_after + 1.0)
             self._beat, self._beat_seen = beat, now - int(age * 1e9)
         elif beat != self._beat:
             self._beat, self._beat_seen = beat, now
@@ -310,7 +334,6 @@ class Target:
         if self._incarnation and result.incarnation != self._incarnation:
             restarts += 1
         self._incarnation = result.incarnation
-        kind = ""
         still = self._still_for(result, now)  # dead ones too: their age is on our clock
         offset = self._clock_offset(result)
         if not checked:  # stamps later than now on the writer's clock: rejected (budget.py)
@@ -327,13 +350,13 @@ class Target:
         elif not reader.writer_alive():
             closed = _closed(reader)
             state, error = DEAD, dead_message(self.name, closed)
-            kind = CLOSED_KIND if closed else ""
+            kind = CLOSED_KIND if closed else WRITER_DEAD_KIND
         elif still > self.stale_after:
             state = STALE
             error = stale_message(self.name, result, still, self.stale_after)
-            kind = PUBLISH_FAILING_KIND if result.publish_failing else ""
+            kind = PUBLISH_FAILING_KIND if result.publish_failing else STALE_KIND
         else:
-            state, error = UP, ""
+            state, error, kind = UP, "", ""
         values = v.rejected_values_total
         if rejected:
             values = dict(values)
@@ -389,8 +412,15 @@ class Target:
         elif error.kind == "refused" or error.kind == "version_mismatch":
             state = REFUSED
         elif error.kind == "contended":
-            # Transient: the writer lapped every retry. Keep the previous state.
+            # Transient: the writer lapped every retry. Keep the previous state; an up one
+            # stays up, with no error (error_kind is null only while up, and always then).
             state = v.state
+            if state == UP:
+                return replace(
+                    v,
+                    last_poll_mono_ns=now,
+                    read_errors_total=bump(v.read_errors_total, error.kind),
+                )
         elif v.last is not None and not self.reader.writer_alive():
             state = DEAD
         else:

@@ -186,6 +186,10 @@ class SegmentReader:
         self.inode = 0
         self.header: layout.Header | None = None
         self.capabilities: Capabilities | None = None
+        # How many positions the directory names in a runtime and in a pool record: only
+        # those are read (segment-format.md section 5). None while it names at least every
+        # field this reader knows, the usual case, where the typed decode reads no other.
+        self._named: tuple[int, int] | None = None
         self._decoder = msgspec.msgpack.Decoder(Snapshot)
 
     @property
@@ -250,6 +254,9 @@ class SegmentReader:
             return error
         self.fd, self.mm, self.inode = fd, mm, st.st_ino
         self.header, self.capabilities = header, caps
+        named = (len(caps.runtime_fields), len(caps.pool_fields))
+        known = (len(RuntimeSnapshot.__struct_fields__), len(KVCachePoolSnapshot.__struct_fields__))
+        self._named = None if named[0] >= known[0] and named[1] >= known[1] else named
         return None
 
     # -- read -------------------------------------------------------------------
@@ -300,8 +307,10 @@ class SegmentReader:
         try:
             snapshot = self._decoder.decode(payload)
             # A record cut short got the writer's defaults (engine "unknown", pid 0) where
-            # nothing was sent (schema._Unsent): read it field by field instead.
-            complete = unsent_count() == unsent
+            # nothing was sent (schema._Unsent), and a directory naming fewer fields than
+            # this reader knows leaves values with no name, which the typed decode read:
+            # read it field by field instead (the typed decode still ran: its budget).
+            complete = unsent_count() == unsent and self._named is None
         except msgspec.ValidationError:
             complete = False  # a value of the wrong type
         except msgspec.DecodeError as e:
@@ -309,7 +318,7 @@ class SegmentReader:
         if not complete:
             # Only the wrong or missing value is null (schema.md, "Values"), unless it is
             # an identity field.
-            lenient = decode_lenient(payload)
+            lenient = decode_lenient(payload, self._named)
             if isinstance(lenient, str):
                 return Corrupt(f"segment {self.path}: payload does not decode ({lenient})")
             snapshot, rejected = lenient
@@ -408,10 +417,27 @@ def _lenient_record(
     return record(**kwargs)
 
 
-def decode_lenient(payload: bytes | memoryview) -> tuple[Snapshot, tuple[str, ...]] | str:
+def _lenient_named(
+    record: type[msgspec.Struct], values: object, n: int | None, prefix: str, rejected: list[str]
+) -> msgspec.Struct | str:
+    """`_lenient_record` of the values the directory names (its first n; all: None)."""
+    if n is None or not isinstance(values, list) or len(values) <= n:
+        return _lenient_record(record, values, prefix, rejected)
+    got = _lenient_record(record, values[:n], prefix, rejected)
+    if isinstance(got, str):
+        return f"{got} named by the directory, of {len(values)} values"
+    return got
+
+
+def decode_lenient(
+    payload: bytes | memoryview, named: tuple[int, int] | None = None
+) -> tuple[Snapshot, tuple[str, ...]] | str:
     """Decode a payload field by field: each value of the wrong type becomes None and is
     named in the tuple, each field past a record's end is None (not named: unsent); a
-    wrong structure, or an identity field wrong or missing, is the error."""
+    wrong structure, or an identity field wrong or missing, is the error. ``named``: how
+    many positions the directory names in a runtime and a pool record; a record ends
+    at its last named value (segment-format.md section 5: a value with no name is not
+    read, so zipping names and decoding by position agree)."""
     try:
         obj = msgspec.msgpack.decode(payload)
     except msgspec.DecodeError as e:
@@ -419,12 +445,13 @@ def decode_lenient(payload: bytes | memoryview) -> tuple[Snapshot, tuple[str, ..
     if not isinstance(obj, list) or len(obj) < 2 or not isinstance(obj[1], list):
         return "not a [runtime, pools] array"
     rejected: list[str] = []
-    runtime = _lenient_record(RuntimeSnapshot, obj[0], "runtime.", rejected)
+    n_runtime, n_pool = named or (None, None)
+    runtime = _lenient_named(RuntimeSnapshot, obj[0], n_runtime, "runtime.", rejected)
     if isinstance(runtime, str):
         return runtime
     pools = []
     for values in obj[1]:
-        pool = _lenient_record(KVCachePoolSnapshot, values, "pool.", rejected)
+        pool = _lenient_named(KVCachePoolSnapshot, values, n_pool, "pool.", rejected)
         if isinstance(pool, str):
             return pool
         pools.append(pool)

@@ -12,7 +12,7 @@ pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsi
 
 from tests.support.otlp_points import rank_points
 from tests.support.otlp_receiver import start_receiver
-from tests.support.procs import start_daemon, start_rank
+from tests.support.procs import start_daemon, start_rank, wait_for
 from tests.support.scrape import fetch, samples
 
 WAIT_S = 120.0  # generous: a shared host; never a bound on speed
@@ -44,9 +44,13 @@ def test_pushed_points_equal_metrics(shm_dir: str, temporality: str) -> None:
             time.sleep(0.1)
         # Freeze the values (the writer steps on its own): SIGSTOP, so its segment stays and
         # it stays up (a killed writer is dead: only its health would be pushed), and a few
-        # more pushes follow, so the last push and the scrape read the same snapshot.
+        # more pushes follow, so the last push and the scrape read the same snapshot. Counted,
+        # not slept for (2 s once): on a loaded host the last push could predate the freeze,
+        # and a push of step 100 met a scrape of 101. 6: more than the queue (4) and the one
+        # in flight could hold from before the freeze, as in tests/demo/test_otlp_demo.py.
         writer.send_signal(signal.SIGSTOP)
-        time.sleep(2.0)
+        frozen_at = len(got)
+        assert wait_for(lambda: len(got) >= frozen_at + 6, WAIT_S)
         _, _, text = fetch(base + "/metrics")
         pushed = rank_points(list(got) if temporality == "delta" else list(got)[-1:])
         assert pushed

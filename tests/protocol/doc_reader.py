@@ -208,6 +208,8 @@ def _record(
     """Zip positions with the directory's names; None if an identity value is wrong."""
     kinds = dict(table)
     out: dict[str, Any] = {}
+    # Section 5: "a value with no name is not read": the record ends at its last name.
+    values = values[: len(names)]
     # schema.md "Values": a field past the record's end reads as null, not counted; an
     # identity field there (one that cannot be null) makes the snapshot Corrupt.
     for name, kind in table[len(values) :]:

@@ -91,9 +91,14 @@ def _payload(obj: object) -> Callable[[SegmentWriter], None]:
     return lambda w: w.publish_bytes(msgspec.msgpack.encode(obj))
 
 
-def _dir(obj: object) -> Callable[[SegmentWriter], None]:
+def _dir(obj: object, payload: object = None) -> Callable[[SegmentWriter], None]:
+    """Publish (the sample snapshot, or these records), then replace the directory."""
+
     def apply(w: SegmentWriter) -> None:
-        w.publish(sample_snapshot(9))
+        if payload is None:
+            w.publish(sample_snapshot(9))
+        else:
+            w.publish_bytes(msgspec.msgpack.encode(payload))
         _directory(w.path, msgspec.msgpack.encode(obj))
 
     return apply
@@ -142,6 +147,9 @@ def _slot_tail(data: bytes) -> Callable[[SegmentWriter], None]:
 
 
 _GOOD = msgspec.msgpack.encode(_records())
+# Non-null values for fields a short directory leaves unnamed (runtime 20.., pool 20..).
+_UNNAMED_RT = {"device_free_bytes": 5, "instance": "i", "preemptions_total": 7}
+_UNNAMED_POOL = {"deferred_free_requests": 2, "deferred_free_expired_ns_total": 9}
 NAN, INF = float("nan"), float("inf")
 
 # (case, what the writer does, the documented verdict, the fields read as null)
@@ -177,11 +185,43 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
     ),
     ("pool_names_swapped", _dir(_caps(pool_fields=_swapped(POOL, 8, 10))), "corrupt", set()),
     ("snapshot_fields_short", _dir(_caps(snapshot_fields=["runtime"])), "corrupt", set()),
-    ("older_minor_fewer_names", _dir(_caps(runtime_fields=RUNTIME[:20])), "ok", set()),
-    # Issue 30 item 5: a known name again after the last known one. Zipping names reads the
-    # later value, decoding by position the earlier one: refused.
-    ("runtime_name_twice", _dir(_caps(runtime_fields=[*RUNTIME, "step"])), "corrupt", set()),
-    ("pool_name_twice", _dir(_caps(pool_fields=[*POOL, "future", "pool_name"])), "corrupt", set()),
+    # An older minor names fewer fields and sends as many values.
+    (
+        "older_minor_fewer_names",
+        _dir(_caps(runtime_fields=RUNTIME[:20]), _records(runtime=_runtime()[:20])),
+        "ok",
+        set(),
+    ),
+    # Issue 41 item 5: more values than names. A value with no name is not read (section
+    # 5): zipping names drops it, so decoding by position must too. The record ends at its
+    # last name: the fields past it read as null, Corrupt when one is an identity field
+    # (ten names leave the ranks unnamed). Each unnamed value here is non-null, so a reader
+    # that still served it would differ from the zip.
+    ("runtime_more_values_than_names", _dir(_caps(runtime_fields=RUNTIME[:10])), "corrupt", set()),
+    (
+        "runtime_values_past_the_names",
+        _dir(_caps(runtime_fields=RUNTIME[:20]), _records(runtime=_runtime(**_UNNAMED_RT))),
+        "ok",
+        set(),
+    ),
+    (
+        "runtime_one_value_unnamed",
+        _dir(_caps(runtime_fields=RUNTIME[:-1]), _records(runtime=_runtime(preemptions_total=7))),
+        "ok",
+        set(),
+    ),
+    (
+        "pool_values_past_the_names",
+        _dir(_caps(pool_fields=POOL[:20]), _records(pools=[_pool(**_UNNAMED_POOL)])),
+        "ok",
+        set(),
+    ),
+    (
+        "pool_one_value_unnamed",
+        _dir(_caps(pool_fields=POOL[:-1]), _records(pools=[_pool(**_UNNAMED_POOL)])),
+        "ok",
+        set(),
+    ),
     ("features_not_a_map", _dir(_caps(features=["deferred_free"])), "corrupt", set()),
     ("features_value_not_bool", _dir(_caps(features={"deferred_free": 1})), "corrupt", set()),
     ("field_names_not_str", _dir(_caps(pool_fields=[*POOL, 7])), "corrupt", set()),
@@ -264,12 +304,13 @@ def test_both_readers_agree_with_the_documents(shm_dir: str, case: str) -> None:
     )
     assert set(doc.rejected) == rejected == want_rejected
     if served is not None:
-        for name, v in doc.runtime.items():
-            if name in served["runtime"]:
-                assert served["runtime"][name] == v, name
+        # Every field ours serves, the doc reader read too, with the same value (a newer
+        # minor's fields are the doc reader's alone).
+        assert set(served["runtime"]) <= set(doc.runtime)
+        assert served["runtime"] == {k: doc.runtime[k] for k in served["runtime"]}
         assert len(doc.pools) == len(served["pools"])
         for d, p in zip(doc.pools, served["pools"]):
-            assert {k: p[k] for k in d if k in p} == {k: v for k, v in d.items() if k in p}
+            assert set(p) <= set(d) and p == {k: d[k] for k in p}
 
 
 def test_oversized_directory_is_corrupt_for_both(
@@ -333,3 +374,36 @@ def test_both_readers_agree_on_the_fuzz_corpus(shm_dir: str) -> None:
         reader.close()
         ours = "ok" if not hasattr(got, "kind") else got.kind
         assert (doc_reader.read(path).kind, ours) == (ours, name.rsplit("-", 1)[0]), name
+
+
+def test_documents_state_that_a_value_with_no_name_is_not_read() -> None:
+    """Issue 41 item 5: the rule the *_names cases hold both readers to, written where a
+    reader is written from."""
+    from tests.conftest import REPO
+
+    def flat(doc: str) -> str:
+        with open(os.path.join(REPO, "docs", doc)) as f:
+            return " ".join(f.read().split())
+
+    fmt, schema = flat("segment-format.md"), flat("schema.md")
+    for rule in (
+        "**A value with no name is not read**: a runtime record ends at its last name in "
+        "`runtime_fields`, a pool record at its last name in `pool_fields`",
+        "So 10 runtime names and 26 values is `Corrupt` (the ranks have no name)",
+        "a minor that appends a field appends its name to the directory's list",
+        "no reader reads a value with no name, zipping and decoding by position give the "
+        "same values",
+    ):
+        assert rule in fmt, rule
+    assert "a value with no name is not read (a record ends at its last name" in schema
+    assert "fewer names in the directory's list than it has elements" in schema
+
+
+def test_a_value_with_no_name_is_served_as_null(shm_dir: str) -> None:
+    """The served value itself, not only agreement: 25 runtime names for 26 values, the
+    26th (preemptions_total) 7 on the wire, null in what the daemon serves (it was 7)."""
+    _, apply, _, _ = next(c for c in CASES if c[0] == "runtime_one_value_unnamed")
+    with SegmentWriter(NAME, shm_dir=shm_dir) as w:
+        apply(w)
+        kind, served, _ = _ours(shm_dir)
+    assert kind == "ok" and served["runtime"]["preemptions_total"] is None, served
