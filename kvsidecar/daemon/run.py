@@ -106,6 +106,9 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
     except OtlpConfigError as e:
         _start_error(str(e))
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
+    if (problem := _ports_overlap(addresses, config)) is not None:
+        _start_error(problem)
+        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     # Bound before the main port answers: once /-/healthy does, polls find a listener.
     gateway = None
     if config.gateway is not None:
@@ -246,6 +249,25 @@ def _restart() -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os.execv(sys.executable, sys.orig_argv)
+
+
+def _ports_overlap(addresses: list[str], config: ServeConfig) -> str | None:
+    """Two of the daemon's own listeners on one port: one line naming both flags."""
+    from kvsidecar.daemon.ports import Claim, overlap
+    from kvsidecar.web.listen_address import parse_listen_address
+
+    claims = []
+    for address in addresses:
+        try:
+            host, port = parse_listen_address(address)
+        except ValueError:
+            continue  # the web server's own error names it
+        claims.append(Claim("--web.listen-address", address, host, port))
+    if config.gateway is not None:
+        host, port = config.gateway.address
+        shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+        claims.append(Claim("--gateway.listen-address", shown, host, port, config.gateway.ranks))
+    return overlap(claims)
 
 
 def _suggest(addresses: list[str]) -> int:
