@@ -1,9 +1,12 @@
 """``--log.level`` and ``--log.format`` as the Prometheus exporters have them (promslog).
 
-``logfmt`` (default) writes ``time=... level=info source=kvsidecar.daemon.target msg="..."``,
-``json`` one object per line. Either way every control character of a message is escaped
-(`kvsidecar.cli.options.printable`): log lines carry engine-supplied strings (segment
-errors, decode messages), and a raw ESC or CR would reach whoever tails the log.
+``logfmt`` (default) writes ``time=... level=INFO source=kvsidecar.daemon.target msg="..."``,
+``json`` one object per line. The level is upper-case, as promslog writes it (Go's log/slog
+handlers: DEBUG, INFO, WARN, ERROR, in Prometheus 3 and the exporters built on it); the
+``--log.level`` values stay lower-case, as promslog's flag has them. Either way every control
+character of a message is escaped (`kvsidecar.cli.options.printable`): log lines carry
+engine-supplied strings (segment errors, decode messages), and a raw ESC or CR would reach
+whoever tails the log.
 """
 
 from __future__ import annotations
@@ -24,8 +27,8 @@ LEVELS = ("debug", "info", "warn", "error")
 FORMATS = ("logfmt", "json")
 _PY_LEVEL = {"debug": logging.DEBUG, "info": logging.INFO, "warn": logging.WARNING,
              "warning": logging.WARNING, "error": logging.ERROR}  # fmt: skip
-_NAME = {logging.DEBUG: "debug", logging.INFO: "info", logging.WARNING: "warn",
-         logging.ERROR: "error", logging.CRITICAL: "error"}  # fmt: skip
+_NAME = {logging.DEBUG: "DEBUG", logging.INFO: "INFO", logging.WARNING: "WARN",
+         logging.ERROR: "ERROR", logging.CRITICAL: "ERROR"}  # fmt: skip
 _BARE = re.compile(r"[^\s\"=\\]+")  # a logfmt value that needs no quotes
 
 
@@ -49,7 +52,7 @@ class LogfmtFormatter(logging.Formatter):
             msg += " " + " | ".join(self.formatException(record.exc_info).splitlines())
         fields = [
             ("time", _time(record)),
-            ("level", _NAME.get(record.levelno, "info")),
+            ("level", _NAME.get(record.levelno, "INFO")),
             ("source", record.name),
             # Angle form (<0x1b>), not backslashes: logfmt parsers disagree on escapes
             # other than \", so a backslash-free value reads back the same everywhere.
@@ -63,7 +66,7 @@ class JSONFormatter(logging.Formatter):
         msg = record.getMessage()
         out: dict[str, Any] = {
             "time": _time(record),
-            "level": _NAME.get(record.levelno, "info"),
+            "level": _NAME.get(record.levelno, "INFO"),
             "source": record.name,
             "msg": printable(msg),
         }

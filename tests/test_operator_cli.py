@@ -222,7 +222,7 @@ def test_log_format_logfmt_parses(shm_dir: str) -> None:
     assert len(lines) >= 3, err
     for rec in logfmt.parse(lines):
         assert {"time", "level", "source", "msg"} <= set(rec), rec
-        assert rec["level"] in ("debug", "info", "warn", "error")
+        assert rec["level"] in ("DEBUG", "INFO", "WARN", "ERROR")
         assert isinstance(rec["msg"], str) and rec["msg"], rec
     assert any("serving" in rec["msg"] for rec in logfmt.parse(lines))
 
@@ -232,9 +232,9 @@ def test_log_format_json_and_warn_level(shm_dir: str) -> None:
     recs = [json.loads(ln) for ln in err.splitlines() if ln.strip()]
     assert recs and all({"time", "level", "source", "msg"} <= set(r) for r in recs)
     _, err = _serve(shm_dir, "--log.level", "warn")
-    assert "level=info" not in err
+    assert "level=INFO" not in err
     _, err = _serve(shm_dir, "--log.level", "WARNING")
-    assert "level=info" not in err
+    assert "level=INFO" not in err
 
 
 def test_log_lines_escape_control_characters() -> None:

@@ -52,7 +52,7 @@ def _serve_lines(shm_dir: str, *args: str, env: dict[str, str]) -> list[dict]:
 def test_root_warns_once_in_the_log_format_unless_root_is_intended(shm_dir: str) -> None:
     records = _serve_lines(shm_dir, env=_env())
     warned = [r for r in records if ROOT_WARNING in r["msg"]]
-    assert len(warned) == 1 and warned[0]["level"] == "warn", records
+    assert len(warned) == 1 and warned[0]["level"] == "WARN", records
     assert "--allow-root" in warned[0]["msg"] and settings.ALLOW_ROOT.name in warned[0]["msg"]
     for how in (("--allow-root",), ()):
         env = _env() if how else _env(**{settings.ALLOW_ROOT.name: "1"})
@@ -94,7 +94,7 @@ def test_a_start_up_error_is_the_only_line_even_as_root(
         )  # fmt: skip
     assert proc.returncode == 2, (why, proc.stderr)
     (line,) = proc.stderr.splitlines()
-    assert json.loads(line)["level"] == "error", line
+    assert json.loads(line)["level"] == "ERROR", line
 
 
 def test_missing_shm_dir_is_logged_in_the_log_format(tmp_path: Path) -> None:
@@ -108,7 +108,7 @@ def test_missing_shm_dir_is_logged_in_the_log_format(tmp_path: Path) -> None:
     assert proc.returncode == 2
     (line,) = proc.stderr.splitlines()  # no root warning before it: still one line
     record = json.loads(line)
-    assert record["level"] == "error" and "does not exist" in record["msg"], record
+    assert record["level"] == "ERROR" and "does not exist" in record["msg"], record
     assert "--shm-dir" in record["msg"]
 
 
@@ -218,7 +218,7 @@ def test_systemd_socket_errors_are_one_log_line(shm_dir: str, case: str) -> None
     assert rc == 2, err
     (line,) = err.splitlines()
     record = json.loads(line)
-    assert record["level"] == "error" and "--web.systemd-socket" in record["msg"], record
+    assert record["level"] == "ERROR" and "--web.systemd-socket" in record["msg"], record
     expected = "LISTEN_PID/LISTEN_FDS unset" if case == "no LISTEN_FDS" else "not this process"
     assert expected in record["msg"], record
 

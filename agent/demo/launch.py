@@ -47,7 +47,8 @@ def run_pd(opts: Options) -> int:
         p.start()
     a.close()  # the workers hold the ends now: EOF reaches one when the other exits
     b.close()
-    log("pd", f"launcher pid {os.getpid()}: prefill pid {procs[0].pid}, decode pid {procs[1].pid}")
+    # No line of its own here: it came above `kvsidecar demo`'s banner (which names this
+    # process); each worker logs its pid once it is up.
     while any(p.is_alive() for p in procs):
         for p in procs:
             p.join(0.1)

@@ -125,11 +125,14 @@ def plot(data: dict[str, Series], out: str, title: str, arrivals_stop: float) ->
         ax.grid(alpha=0.3)
     axes[0, 0].legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     if arrivals_stop:
+        # Inside the top panel, in the band above its total-blocks line (the y limit is 8 %
+        # over it): above the panel it ran across the panel's title.
         axes[0, 0].text(
             arrivals_stop,
-            axes[0, 0].get_ylim()[1],
+            0.99,
             " arrivals stop",
-            va="bottom",
+            transform=axes[0, 0].get_xaxis_transform(),
+            va="top",
             fontsize=8,
             color="grey",
         )

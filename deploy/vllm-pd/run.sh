@@ -26,23 +26,10 @@ EOF
 
 proxy_port=8000 prefill_port=8100 decode_port=8200 metrics_port=19440 side_port=5600
 lease=30 decode_delay=0 workdir="" timeout=600
-while [ $# -gt 0 ]; do
-  case $1 in
-    --proxy-port) proxy_port=$2 ;;
-    --prefill-port) prefill_port=$2 ;;
-    --decode-port) decode_port=$2 ;;
-    --metrics-port) metrics_port=$2 ;;
-    --side-port) side_port=$2 ;;
-    --lease) lease=$2 ;;
-    --decode-delay) decode_delay=$2 ;;
-    --workdir) workdir=$2 ;;
-    --timeout) timeout=$2 ;;
-    -h | --help) usage; exit 0 ;;
-    *) echo "run.sh: unknown option $1 (see --help)" >&2; exit 2 ;;
-  esac
-  [ $# -ge 2 ] || { echo "run.sh: $1 needs a value (see --help)" >&2; exit 2; }
-  shift 2
-done
+. deploy/lib/sessions.sh
+parse_options "--proxy-port=proxy_port --prefill-port=prefill_port --decode-port=decode_port
+  --metrics-port=metrics_port --side-port=side_port --lease=lease --decode-delay=decode_delay
+  --workdir=workdir --timeout=timeout" "$@"
 
 py=.engine-envs/vllm/bin/python
 [ -x "$py" ] || { echo "run.sh: no vLLM env at $py: build it with \`bash .ci/engine-env vllm\`" >&2; exit 2; }
@@ -56,7 +43,7 @@ workdir=$(cd "$workdir" && pwd)
 shm=$(mktemp -d "$( [ -d /dev/shm ] && echo /dev/shm || echo "${TMPDIR:-/tmp}")/kvsidecar-pd.XXXXXX")
 "$py" -c "import sys; from kvsidecar.bench.vllm import write_model; write_model(sys.argv[1])" "$workdir/model"
 
-pids=()
+pids=() names=()
 cleanup() {
   trap - INT TERM EXIT
   for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
@@ -70,17 +57,6 @@ cleanup() {
 trap cleanup EXIT
 trap 'exit 130' INT
 trap 'exit 143' TERM
-
-# One session (= process group) each, so a stop reaches an API server and its engine core.
-# Each runs in the work directory: a checkout's stale *.egg-info on sys.path[0] would hide
-# the installed plugin's entry point from vLLM.
-start() {  # name, then the command; its pid (= its process group) goes to $workdir/name.pid
-  local name=$1
-  shift
-  (cd "$workdir" && exec setsid "$@" >"$workdir/$name.log" 2>&1 </dev/null) &
-  pids+=($!)
-  echo $! >"$workdir/$name.pid"
-}
 
 # OMP_WAIT_POLICY=PASSIVE: waiting OpenMP threads sleep; a prefill holding KV for decode steps
 # empty batches nonstop, and spinning threads would take the rest of its cores.
@@ -116,10 +92,6 @@ start proxy "$REPO/$py" "$REPO/deploy/vllm-pd/proxy.py" --port "$proxy_port" \
   --prefill "127.0.0.1:$prefill_port" --decode "127.0.0.1:$decode_port" \
   --decode-delay "$decode_delay"
 
-healthy() {
-  "$py" -c "import sys, urllib.request; urllib.request.urlopen(sys.argv[1], timeout=2)" "$1" \
-    2>/dev/null
-}
 # vLLM's NIXL connector pins each CPU worker's model thread to the host's last core (it
 # reserves that core for KV transfer, one server per host), so on a small host both model
 # threads land there beside decode's NIXL progress thread, which busy-polls. On a 2-vCPU
@@ -141,22 +113,8 @@ echo "run.sh: starting prefill :$prefill_port, decode :$decode_port (logs in $wo
 deadline=$((SECONDS + timeout))
 for target in prefill:$prefill_port/health decode:$decode_port/health proxy:$proxy_port/health \
   serve:$metrics_port/-/healthy; do
-  name=${target%%:*}
-  until healthy "http://127.0.0.1:${target#*:}"; do
-    for other in prefill decode serve proxy; do
-      if ! kill -0 "$(cat "$workdir/$other.pid")" 2>/dev/null; then
-        echo "run.sh: $other exited; the end of $workdir/$other.log:" >&2
-        tail -n 20 "$workdir/$other.log" >&2
-        exit 1
-      fi
-    done
-    if [ $SECONDS -ge $deadline ]; then
-      echo "run.sh: $name not healthy in $timeout s (see $workdir/$name.log; raise --timeout)" >&2
-      exit 1
-    fi
-    sleep 1
-  done
-  case $name in
+  wait_healthy "$target"
+  case ${target%%:*} in
     prefill) pin_server prefill "$prefill_cores" ;;
     decode) pin_server decode "$decode_cores" ;;
   esac

@@ -70,10 +70,40 @@ if not any(isinstance(f, type) and f.__name__ == "_Finder" for f in sys.meta_pat
 '''
 
 
+# `kvsidecar` in the environment's bin/: a shell script, not pyproject's console script. pip
+# would write that one's shebang as the environment's real path, where the hook finds no
+# checkout; this one runs the `python` beside it by the path it was called with
+# (<checkout>/.engine-envs/<name>/bin/kvsidecar: the link), as the hook needs, and then what
+# pip's console script runs. pip copies a wheel's data scripts that do not start with
+# `#!python` as they are.
+_SCRIPT = """#!/bin/sh
+# kvsidecar's checkout shim (kvsidecar/bench/engine_envs.py): the `kvsidecar` command of the
+# checkout whose .engine-envs/<name>/bin/kvsidecar this was called as.
+bin=${{0%/*}}
+envs=${{bin%/*/*}}
+if [ "$bin" = "$0" ] ||
+  {{ [ "${{envs##*/}}" != .engine-envs ] && [ -z "${{PYTHONPATH:-}}" ]; }}; then
+  echo "kvsidecar: $0 runs the kvsidecar of the checkout it is called from:" \\
+    "call it as <checkout>/.engine-envs/<name>/bin/kvsidecar" >&2
+  exit 2
+fi
+exec "$bin/python" -c \\
+  'import sys; sys.argv[0] = "kvsidecar"; from {module} import {attr}; sys.exit({attr}())' "$@"
+"""
+
+
+def _script(pyproject: Path) -> str:
+    """bin/kvsidecar: `_SCRIPT` running pyproject's ``kvsidecar`` console script."""
+    import tomllib
+
+    target = tomllib.loads(pyproject.read_text())["project"]["scripts"]["kvsidecar"]
+    module, attr = target.split(":")
+    return _SCRIPT.format(module=module, attr=attr)
+
+
 def _entry_points(pyproject: Path) -> str:
     """entry_points.txt of the shim: the plugin groups of pyproject.toml. Not the console
-    script: its shebang would name the environment's real path, where the hook finds no
-    checkout (run ``.engine-envs/NAME/bin/python -m kvsidecar`` instead)."""
+    script (see _SCRIPT)."""
     import tomllib
 
     groups = tomllib.loads(pyproject.read_text())["project"].get("entry-points", {})
@@ -109,6 +139,7 @@ def shim_files(pyproject: Path = ROOT / "pyproject.toml") -> dict[str, str]:
         ),
         f"{info}/entry_points.txt": _entry_points(pyproject),
         f"{info}/top_level.txt": f"{SHIM_MODULE}\n",
+        f"{info.removesuffix('.dist-info')}.data/scripts/kvsidecar": _script(pyproject),
     }
 
 
@@ -137,7 +168,7 @@ def write_wheel(directory: Path) -> Path:
     with zipfile.ZipFile(path, "w", zipfile.ZIP_DEFLATED) as whl:
         for name, data in files.items():
             entry = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))
-            entry.external_attr = 0o644 << 16
+            entry.external_attr = (0o100755 if "/scripts/" in name else 0o100644) << 16
             whl.writestr(entry, data)
     return path
 

@@ -12,8 +12,11 @@ shared/research/sglang-cpu.md.
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
+import shlex
+import sys
 import urllib.request
 from pathlib import Path
 from typing import Any
@@ -90,3 +93,32 @@ def generate(port: int, prompts: list[list[int]], max_new_tokens: int, **extra: 
     req = generate_request(port, prompts, max_new_tokens, **extra)
     with urllib.request.urlopen(req, timeout=600) as r:
         return json.loads(r.read())
+
+
+def main(argv: list[str]) -> None:
+    """``python -m kvsidecar.bench.sglang --workdir W --shm-dir S --port P``: write the tiny
+    model's config to W/model and become the server the tests run (deploy/sglang/run.sh).
+    Run it as the SGLang env's Python through this checkout's link
+    (``.engine-envs/sglang/bin/python``): the server's plugin then runs this checkout."""
+    from kvsidecar.bench.vllm import write_model  # the same tiny Llama config
+
+    parser = argparse.ArgumentParser(prog="python -m kvsidecar.bench.sglang")
+    parser.add_argument("--workdir", required=True)
+    parser.add_argument("--shm-dir", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--max-total-tokens", type=int, default=2048)
+    args = parser.parse_args(argv)
+    if not STANDIN.is_dir():
+        parser.exit(2, f"{parser.prog}: no sgl_kernel stand-in at {STANDIN}: run it from a "
+                    "checkout (the stand-in is in tests/, not in the wheel)\n")  # fmt: skip
+    model = write_model(Path(args.workdir) / "model")
+    cmd = server_command(sys.executable, model, args.port, args.max_total_tokens)
+    env = server_env(args.shm_dir)
+    print("+", " ".join(f"{k}={shlex.quote(v)}" for k, v in env.items()), shlex.join(cmd))
+    sys.stdout.flush()
+    os.chdir(args.workdir)  # not a checkout: its kvsidecar.egg-info would hide the plugin
+    os.execve(cmd[0], cmd, {**os.environ, **env})
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -96,11 +96,20 @@ def _quiet_per_target_lines() -> None:
 
 
 def _none_found(shm_dir: str, which: str) -> str:
-    """'no segments in DIR <which>', or that DIR (the default) does not exist yet."""
+    """'no segments in DIR <which>', or that DIR does not exist: yet, for the default one
+    (the agent creates it); any other is someone's to create (the agent does not)."""
+    from kvsidecar import discovery
+
     if not os.path.lexists(shm_dir):
+        if shm_dir == discovery.DEFAULT_SHM_DIR:  # as dir_problem tells them apart
+            return (
+                f"no segments: {printable(shm_dir)} does not exist yet (the agent creates it "
+                "when the first engine starts)"
+            )
         return (
-            f"no segments: {printable(shm_dir)} does not exist yet (the agent creates it "
-            "when the first engine starts)"
+            f"no segments: {printable(shm_dir)} does not exist (the agent creates only the "
+            f"default {discovery.DEFAULT_SHM_DIR}: create it, or point --shm-dir at the engines' "
+            "directory)"
         )
     return f"no segments in {printable(shm_dir)} {which}"
 
@@ -288,10 +297,12 @@ def _watch(ts: TargetSet, shm_dir: str, interval: float, count: int, as_json: bo
                 sys.stdout.write("\x1b[H\x1b[2J")
                 # A directory removed under the watch says so, as plain dump does, rather
                 # than "0 segments" forever (issue 33 item 7).
+                # A directory that became unreadable says so too (the scan keeps the
+                # segments it knew: their rows go stale).
                 what = (
-                    f"{len(views)} segments"
-                    if views or os.path.isdir(shm_dir)
-                    else _none_found(shm_dir, "")
+                    _none_found(shm_dir, "")
+                    if not views and not os.path.isdir(shm_dir)
+                    else getattr(ts, "discovery_error", "") or f"{len(views)} segments"
                 )
                 click.echo(
                     f"kvsidecar dump --watch {interval}s   {time.strftime('%H:%M:%S')}"

@@ -7,8 +7,6 @@ Generated from the same click objects as ``--help``, so the two never disagree.
 
 from __future__ import annotations
 
-import datetime
-
 import click
 
 from kvsidecar import __version__
@@ -71,12 +69,11 @@ def render(ctx: click.Context) -> str:
     cmd = ctx.command
     name = _command_name(ctx)
     page = name.replace(" ", "-")
-    built = build_date()  # the commit's: two renderings of one build are the same page
-    date = (
-        f"{built[:4]}-{built[4:6]}-{built[6:8]}"
-        if built[:8].isdigit()
-        else datetime.date.today().isoformat()
-    )
+    # The build date --version prints (the commit's): two renderings of one build are the
+    # same page. Never today's: a build without a date has an empty date field, as
+    # --version says `unknown`.
+    built = build_date()
+    date = f"{built[:4]}-{built[4:6]}-{built[6:8]}" if built[:8].isdigit() else ""
     lines = [
         f'.TH "{page.upper()}" 1 "{date}" "kvsidecar {__version__}" "User Commands"',
         ".SH NAME",

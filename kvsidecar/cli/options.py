@@ -77,8 +77,28 @@ def allowed_uids(allow_uids: Iterable[int], allow_any_uid: bool) -> frozenset[in
 
 
 def require_dir(shm_dir: str) -> None:
-    """Exit with a usage error (`dir_problem`'s message) when the segment directory is
-    unusable: for the commands that print to a terminal (dump, ls); serve logs it."""
-    if (problem := dir_problem(shm_dir)) is not None:
+    """Exit with a usage error (`dir_problem`'s message, or `listing_problem`'s) when the
+    segment directory is unusable: for the commands that print to a terminal (dump, ls);
+    serve logs it, and keeps trying."""
+    if (problem := dir_problem(shm_dir) or listing_problem(shm_dir)) is not None:
         click.echo(f"kvsidecar: {problem}", err=True)
         raise SystemExit(EXIT_USAGE)
+
+
+def listing_problem(shm_dir: str) -> str | None:
+    """Why this process cannot list the segment directory, with the fix, as the per-segment
+    messages give one; None when it can (or it does not exist: `dir_problem`'s case). A
+    one-shot command says it once and stops, where the daemon keeps its targets and retries."""
+    try:
+        with os.scandir(shm_dir) as entries:
+            next(entries, None)
+    except FileNotFoundError:
+        return None
+    except PermissionError:
+        return (
+            f"permission denied listing {printable(shm_dir)}: run kvsidecar as the engine's "
+            "user or in its group (the agent creates the directory 0750)"
+        )
+    except OSError as e:
+        return f"cannot list {printable(shm_dir)}: {e.strerror or e}"
+    return None

@@ -29,6 +29,12 @@ class MetricDef:
     scale: float = 1.0
     anchor: str = ""  # kvcached / ATOM / vLLM / SGLang counterpart
     overlaps: str = ""
+    # What docs/metrics.md adds after `help`: the details past what one HELP line carries
+    # (every `# HELP name help` line stays within HELP_LINE_MAX characters).
+    more: str = ""
+
+
+HELP_LINE_MAX = 300
 
 
 RUNTIME: tuple[MetricDef, ...] = (
@@ -61,10 +67,11 @@ RUNTIME: tuple[MetricDef, ...] = (
         "requests",
         "Distinct finished or aborted requests still holding KV until every connector "
         "releases them (P/D prefill: decode has not pulled yet), on this rank; a request "
-        "deferred in several pools counts once. No series when the writer cannot tell "
-        "(no pool supports deferral; writers before schema v1.3).",
+        "deferred in several pools counts once.",
         "requests_deferred_free_distinct",
         anchor="atom:requests_deferred_free (per rank)",
+        more="No series when the writer cannot tell (no pool supports deferral; writers "
+        "before schema v1.3).",
     ),
     MetricDef(
         "kvsidecar_device_memory_total_bytes",
@@ -466,10 +473,10 @@ POOL: tuple[MetricDef, ...] = (
         COUNTER,
         _B,
         "Blocks the ended deferrals held when they ended, summed per request: a block "
-        "several of them shared counts once for each (8 requests sharing 18 distinct "
-        "blocks, 4 each: +32), unlike kvsidecar_kv_pool_deferred_free_blocks, which counts "
-        "it once (/ ended_total: blocks per released request).",
+        "several of them shared counts once for each, unlike "
+        "kvsidecar_kv_pool_deferred_free_blocks (/ ended_total: blocks per released request).",
         "deferred_free_ended_blocks_total",
+        more="E.g. 8 requests sharing 18 distinct blocks, 4 each: +32.",
     ),
     MetricDef(
         "kvsidecar_kv_pool_deferred_free_ended_seconds_total",
@@ -535,13 +542,14 @@ POOL_DERIVED: tuple[MetricDef, ...] = (
         "seconds",
         "How long the oldest deferred request of this pool has held its KV (now - "
         "oldest_deferred_free_mono_ns, computed at scrape time; a writer in another time "
-        "namespace is read through its clock's offset); 0 when none is deferred. "
-        "A P/D transfer that never completes shows as an age that only grows. A stamp "
-        "later than now (a deferral cannot begin in the future: 2^62 read as age 0) is "
-        "rejected like a value out of range: no series, counted in "
-        'kvsidecar_source_rejected_values_total{field="pool.oldest_deferred_free_mono_ns"}.',
+        "namespace is read through its clock's offset); 0 when none is deferred; none "
+        "for a stamp later than now.",
         "oldest_deferred_free_mono_ns",
         anchor="none (no engine exports it)",
+        more="A P/D transfer that never completes shows as an age that only grows. A stamp "
+        "later than now (a deferral cannot begin in the future: 2^62 read as age 0) is "
+        "rejected like a value out of range: no series, counted in "
+        '`kvsidecar_source_rejected_values_total{field="pool.oldest_deferred_free_mono_ns"}`.',
     ),
     MetricDef(
         "kvsidecar_kv_pool_block_fill_ratio",
@@ -559,9 +567,9 @@ DP: tuple[MetricDef, ...] = (
         "requests",
         "Distinct deferred requests summed over the DP ranks of one engine instance "
         "(tp_rank=0, pp_rank=0 targets: one scheduler per DP rank; label engine_instance). "
-        "Up targets only; no series if a rank cannot tell, or if two up targets claim the "
-        "same dp_rank (two engines that look alike are never added).",
+        "Up targets only; no series if a rank cannot tell or two claim the same dp_rank.",
         anchor="atom:requests_deferred_free (summed across DP ranks)",
+        more="Two engines that look alike are never added.",
     ),
     MetricDef(
         "kvsidecar_dp_kv_blocks_deferred_free",
@@ -594,8 +602,8 @@ SOURCE_SNAPSHOT_AGE_SECONDS = MetricDef(
     "seconds",
     "Seconds since the writer last showed progress (a new heartbeat or snapshot), on the "
     "daemon's clock: a writer in another time namespace reads its true age, not its "
-    "clock offset (its own age is believed at first sight, up to just past "
-    "--stale-after); exported in every state.",
+    "clock offset; exported in every state.",
+    more="A writer's own age is believed at first sight, up to just past --stale-after.",
 )
 SOURCE_WRITER_RESTARTS_TOTAL = MetricDef(
     "kvsidecar_source_writer_restarts_total",
@@ -627,8 +635,9 @@ SOURCE_PUBLISH_ERRORS_TOTAL = MetricDef(
     "errors",
     "Publishes the agent counted as failed, read from the segment header (layout "
     "v1.1), so it moves even when no snapshot gets through; the reason is in the "
-    "target's error and the engine log. Exported once a snapshot was read; before "
-    'that a failing agent shows as read_errors_total{kind="publish_failing"}.',
+    "target's error and the engine log.",
+    more="Exported once a snapshot was read; before that a failing agent shows as "
+    'read_errors_total{kind="publish_failing"}.',
 )
 SOURCE_GENERATION = MetricDef(
     "kvsidecar_source_generation",
@@ -646,11 +655,11 @@ SOURCE_BUDGET_REFUSALS_TOTAL = MetricDef(
     "kvsidecar_source_budget_refusals_total",
     COUNTER,
     "reads",
-    "Reads refused because the segment exceeds the target's budget (label limit: "
-    "payload_bytes, pools, label_length, series; flags --max-*), or because all "
-    "targets together exceed --max-exposition-bytes and this one is among the largest "
-    "(limit total); the target is then in state refused and exports health series "
-    "only.",
+    "Reads refused for the target's budget (label limit: payload_bytes, pools, "
+    "label_length, series; flags --max-*) or, with limit total, for --max-exposition-bytes "
+    "(this target among the largest); the target is then refused, with health series only.",
+    more="Limit total: all targets together exceed --max-exposition-bytes and this one is "
+    "among the largest.",
 )
 SOURCE_REJECTED_VALUES_TOTAL = MetricDef(
     "kvsidecar_source_rejected_values_total",
@@ -690,22 +699,23 @@ REFUSED_SEGMENTS = MetricDef(
     "",
     "Files in the shm directory matching the prefix that the daemon does not follow now "
     "(symlink, FIFO, foreign owner, unreadable, newer major version, over --max-targets); "
-    "the log summarizes why. Exact as of the last listing, those beyond the remembered "
-    "16,384 included (kvsidecar_refused_segments_unremembered).",
+    "the log summarizes why.",
+    more="Exact as of the last listing, those beyond the remembered 16,384 included "
+    "(kvsidecar_refused_segments_unremembered).",
 )
 SEGMENT_REFUSALS_TOTAL = MetricDef(
     "kvsidecar_segment_refusals_total",
     COUNTER,
     "files",
-    "Discovered files refused, each counted once per file identity (label reason: "
-    "symlink, not_regular, foreign_owner, version = a newer major version, unreadable, "
-    "vanished = gone before it could be read, max_targets = over --max-targets, admission = "
-    "a new name that had to wait for --max-new-targets, counted once per target). The "
-    "files still refused are counted by reason in kvsidecar_refused_segments_by_reason; "
-    "their names are in the log, `kvsidecar ls` and /api/v1/snapshots, never in a label "
-    "(whoever can create a file would choose it). A lower bound while "
-    "kvsidecar_refused_segments_unremembered > 0: files beyond the remembered ones are "
-    "not counted.",
+    "Discovered files refused, once per file identity, by reason (symlink, not_regular, "
+    "foreign_owner, version, unreadable, vanished, max_targets, admission); names in the "
+    "log, never a label. A lower bound while kvsidecar_refused_segments_unremembered > 0.",
+    more="Reasons: version = a newer major version, vanished = gone before it could be "
+    "read, max_targets = over --max-targets, admission = a new name that had to wait for "
+    "--max-new-targets (counted once per target). The files still refused are counted by "
+    "reason in kvsidecar_refused_segments_by_reason; their names are in the log, `kvsidecar "
+    "ls` and /api/v1/snapshots, never in a label (whoever can create a file would choose "
+    "it). Files beyond the remembered ones are not counted.",
 )
 DISCOVERY_UP = MetricDef(
     "kvsidecar_discovery_up",
@@ -775,10 +785,11 @@ REFUSED_SEGMENTS_BY_REASON = MetricDef(
     GAUGE,
     "files",
     "Files the daemon found and does not follow now, among those remembered, by reason "
-    "(label reason: version = a newer major layout/schema version, unreadable, symlink, "
-    "not_regular, foreign_owner, max_targets, ...). Which files: the log, `kvsidecar ls`, "
-    "/api/v1/snapshots (refused). Replaces kvsidecar_refused_file{file}, whose label "
-    "value any user who could create a file chose (3,072-3,840 values in 15 s).",
+    "(label reason: version, unreadable, symlink, not_regular, foreign_owner, "
+    "max_targets, ...). Which files: the log, `kvsidecar ls`, /api/v1/snapshots (refused).",
+    more="Reason version: a newer major layout/schema version. Replaces "
+    "kvsidecar_refused_file{file}, whose label value any user who could create a file "
+    "chose (3,072-3,840 values in 15 s).",
 )
 TARGETS_WAITING = MetricDef(
     "kvsidecar_targets_waiting",
@@ -792,20 +803,20 @@ REFUSED_SEGMENTS_UNREMEMBERED = MetricDef(
     "kvsidecar_refused_segments_unremembered",
     GAUGE,
     "",
-    "Refused files of the last listing beyond the 16,384 the daemon remembers (its memory "
-    "stays bounded however many files others create): each is refused again from an "
-    "lstat at every listing, never followed, and not counted in "
+    "Refused files of the last listing beyond the 16,384 the daemon remembers: each is "
+    "refused again from an lstat at every listing, never followed, and not counted in "
     "kvsidecar_segment_refusals_total.",
+    more="The daemon's memory stays bounded however many files others create.",
 )
 OTLP_DROPPED_BATCHES_TOTAL = MetricDef(
     "kvsidecar_otlp_dropped_batches_total",
     COUNTER,
     "batches",
-    "OTLP push batches lost (--otlp.endpoint; docs/otlp.md), by reason (label reason: "
-    "queue_full = the oldest unsent batch dropped from the bounded queue while the "
-    "collector was slow or unreachable, send_failed = the exporter gave up on a batch "
-    "after its retries: refused, timed out, TLS or HTTP error; the log names it). No "
-    "series while the push is off.",
+    "OTLP push batches lost (--otlp.endpoint), by reason: queue_full = the oldest unsent "
+    "batch dropped from the bounded queue, send_failed = the exporter gave up after its "
+    "retries (the log names why). No series while the push is off.",
+    more="docs/otlp.md. queue_full: the collector was slow or unreachable; send_failed: "
+    "refused, timed out, TLS or HTTP error.",
 )
 DAEMON: tuple[MetricDef, ...] = (
     REFUSED_SEGMENTS,
@@ -867,8 +878,10 @@ def markdown() -> str:
     ]
     for m in ALL:
         field = m.field + (f" x {m.scale:g}" if m.scale != 1.0 else "")
+        meaning = f"{m.help} {m.more}" if m.more else m.help
         out.append(
-            f"| `{m.name}` | {m.type} | {m.unit} | {m.help} | {field} | {m.anchor} | {m.overlaps} |"
+            f"| `{m.name}` | {m.type} | {m.unit} | {meaning} | {field} | {m.anchor} "
+            f"| {m.overlaps} |"
         )
     return "\n".join(out) + "\n" + _gateway_markdown()
 

@@ -43,3 +43,20 @@ def test_names_follow_conventions() -> None:
             assert base.endswith("_seconds"), m.name
         if m.type == metric_defs.INFO:
             assert m.name.endswith("_info"), m.name
+
+
+def test_every_help_line_fits() -> None:
+    """Issue 45 item 5: 12 HELP lines were over 300 characters (up to 692), a page of text
+    in every scrape and in a Grafana tooltip. The details past one line are docs/metrics.md's
+    (`more`), which keeps both."""
+    long = {}
+    for m in metric_defs.ALL:
+        line = f"# HELP {m.name} {m.help}"  # a counter's family name is shorter (no _total)
+        if len(line) > metric_defs.HELP_LINE_MAX:
+            long[m.name] = len(line)
+    assert not long, long
+    assert metric_defs.HELP_LINE_MAX == 300
+    doc = metric_defs.markdown()
+    for m in metric_defs.ALL:
+        if m.more:
+            assert f"| {m.help} {m.more} |" in doc, m.name

@@ -88,3 +88,25 @@ def test_demo_names_the_engine_that_died(shm_dir: str, tmp_path: Path) -> None:
         assert stopping and name in stopping[0] and "duration" not in stopping[0], demo.err
     finally:
         demo.kill()
+
+
+@pytest.mark.timeout(120)
+def test_the_banner_comes_first(tmp_path: Path) -> None:
+    """On a terminal (stdout and stderr together) the banner is the first thing printed
+    (issue 45 item 5: the P/D launcher's `launcher pid ...` line came above it); each engine
+    process names its pid once, on its own line, when it is up."""
+    out_path = tmp_path / "demo.log"
+    with open(out_path, "w") as out:
+        r = subprocess.run(
+            [sys.executable, "-m", "kvsidecar", "demo", "--duration", "8",
+             "--web.listen-address", f"127.0.0.1:{free_port()}"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env=_env(), timeout=100,
+        )  # fmt: skip
+    text = out_path.read_text()
+    assert r.returncode == 0, text
+    lines = text.splitlines()
+    assert lines[0].startswith("kvsidecar demo: P/D pair"), text
+    launcher = int(re.search(r"^  pids: +daemon \d+, engine (\d+)$", text, re.M)[1])  # type: ignore[index]
+    workers = re.findall(r"^kvsidecar-demo\[(prefill|decode)\] pid (\d+) ", text, re.M)
+    assert sorted(role for role, _ in workers) == ["decode", "prefill"], text
+    assert str(launcher) not in {pid for _, pid in workers}

@@ -44,3 +44,42 @@ def test_plot_without_matplotlib_says_how_to_get_it(tmp_path) -> None:
         "python -m kvsidecar.agent.demo.plot: matplotlib is not installed: run `make venv` "
         "(the dev extra) first"
     ]
+
+
+def _series(start: float, n: int = 200) -> dict[str, list[float]]:
+    t = [start + 0.1 * i for i in range(n)]
+    rise = [min(i, 40) for i in range(n)]
+    return {
+        "t": t, "start": [start], "total_blocks": [64] * n, "allocated_blocks": rise,
+        "cached_blocks": [64 - r for r in rise], "deferred_free_blocks": [r // 2 for r in rise],
+        "deferred_free_requests": [r // 8 for r in rise],
+        "requests_running": [1] * n, "requests_waiting": [0] * n,
+    }  # fmt: skip
+
+
+def test_arrivals_stop_label_clears_every_title(tmp_path) -> None:
+    """Issue 45 item 5: the "arrivals stop" label sat above the top panel, across its title.
+    The quickstart's geometry: arrivals stop at 10 s of a 20 s run."""
+    pytest.importorskip("matplotlib")
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    from kvsidecar.agent.demo.plot import plot
+
+    data = {"prefill": _series(1000.0), "decode": _series(1000.5)}
+    title = "kvsidecar demo --pd: 8 req/s, transfer delay 1 s, 100 ms samples of /api/v1/snapshots"
+    plot(data, str(tmp_path / "pd.png"), title, 10.0)
+    fig = plt.gcf()
+    try:
+        renderer = fig.canvas.get_renderer()
+        top = fig.axes[0]
+        (label,) = [t for t in top.texts if "arrivals stop" in t.get_text()]
+        box = label.get_window_extent(renderer)
+        titles = [fig._suptitle, top.title, top._left_title, top._right_title]
+        for other in (t for t in titles if t is not None and t.get_text()):
+            assert not box.overlaps(other.get_window_extent(renderer)), other.get_text()
+        assert top.get_window_extent(renderer).contains(box.x0, box.y0), box
+    finally:
+        plt.close(fig)

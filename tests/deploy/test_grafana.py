@@ -128,8 +128,21 @@ def test_dashboard_shape(dashboard: dict) -> None:
         "source up",
         "http",
         "publish",
+        "gateway",
+        "otlp push",
     ):
         assert topic in titles, f"no panel about {topic!r}"
+
+
+def test_dashboard_covers_the_gateway_and_the_otlp_push(dashboard: dict) -> None:
+    """Every series of the gateway endpoint and of the OTLP push is on a panel (issue 45
+    item 4: the dashboard had none of them)."""
+    from kvsidecar.daemon.metric_defs import ALL
+
+    queried = {n for expr in dashboard_exprs(dashboard) for n in metric_names(expr)}
+    wanted = {m.name for m in ALL if m.name.startswith(("kvsidecar_gateway_", "kvsidecar_otlp_"))}
+    assert len(wanted) >= 4, wanted
+    assert not wanted - queried, sorted(wanted - queried)
 
 
 def test_dashboard_filters_on_variables(dashboard: dict) -> None:

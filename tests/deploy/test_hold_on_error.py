@@ -66,7 +66,7 @@ def test_start_error_holds_until_sigterm(
         held.send_signal(signal.SIGTERM)
         assert held.wait(30) == EXIT_USAGE
         err = held.stderr.read()
-        assert "level=error" in err and "staying up" in err, err
+        assert "level=ERROR" in err and "staying up" in err, err
     finally:
         if held.poll() is None:
             held.kill()
@@ -99,7 +99,7 @@ def test_start_errors_honor_the_log_format(
             proc.wait()
         busy_port.close()
     records = [json.loads(ln) for ln in err.splitlines() if ln.strip()]
-    errors = [r for r in records if r["level"] == "error"]
+    errors = [r for r in records if r["level"] == "ERROR"]
     assert errors and "port in use by another process" in errors[0]["msg"], err
     assert any("staying up" in r["msg"] for r in records) == hold, err
 

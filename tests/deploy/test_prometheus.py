@@ -86,3 +86,26 @@ def test_alert_metadata() -> None:
             continue
         assert rule["labels"]["severity"] in {"critical", "warning", "info"}, rule["alert"]
         assert {"summary", "description"} <= set(rule["annotations"]), rule["alert"]
+
+
+RUNBOOK_BASE = "https://kvsidecar.example.com/docs/operations.md"
+
+
+def test_every_alert_has_a_runbook() -> None:
+    """Each alert's runbook_url is its own section of docs/operations.md's "Alert runbooks",
+    which exists and says what to do (issue 45 item 4: no alert had one)."""
+    from tests.test_docs import doc_anchors, heading_anchor
+
+    doc = (PROM.parents[1] / "docs" / "operations.md").read_text()
+    section = doc.split("\n## Alert runbooks\n", 1)[1].split("\n## ", 1)[0]
+    alerts = [r for r in rules() if "alert" in r]
+    assert len(alerts) >= 10
+    for rule in alerts:
+        name = rule["alert"]
+        url = rule["annotations"].get("runbook_url", "")
+        assert url == f"{RUNBOOK_BASE}#{heading_anchor(name)}", (name, url)
+        assert heading_anchor(name) in doc_anchors(doc), name
+        body = section.split(f"\n### {name}\n", 1)[1].split("\n### ", 1)[0]
+        assert len(body.split()) >= 30, (name, body)  # says what to do, not a stub
+    # The placeholder base is named where the rules are documented, with how to change it.
+    assert f"`{RUNBOOK_BASE}`" in doc and "sed -i 's|https://kvsidecar.example.com/docs/|" in doc

@@ -13,7 +13,9 @@ import subprocess
 import sys
 
 import yaml
+from prometheus_client.parser import text_string_to_metric_families
 
+from kvsidecar.bench.fleet import free_port
 from tests.conftest import REPO
 from tests.support.procs import start_daemon, wait_for
 from tests.support.scrape import fetch, samples
@@ -37,6 +39,12 @@ OTHER_SOURCES = {
 }
 
 
+EVENT_COUNTERS = {
+    "kvsidecar_gateway_connections_closed_total",
+    "kvsidecar_otlp_dropped_batches_total",
+}
+
+
 def _scraped_names(shm_dir: str) -> set[str]:
     # A file the daemon refuses (a FIFO), so the per-file refusal series is in the scrape.
     os.mkfifo(os.path.join(shm_dir, "kvsidecar.refused"))
@@ -49,10 +57,27 @@ def _scraped_names(shm_dir: str) -> set[str]:
     daemon = None
     try:
         assert engine.stdout.readline().startswith("ready")
-        daemon, url = start_daemon(shm_dir, "--poll-interval", "0.1")
+        # The gateway endpoint and the OTLP push on (a collector that is not there), so
+        # their families are in the scrape: the dashboard has panels on them.
+        gateway, collector = free_port(), free_port()
+        daemon, url = start_daemon(
+            shm_dir, "--poll-interval", "0.1",
+            "--gateway.listen-address", f"127.0.0.1:{gateway}",
+            "--otlp.endpoint", f"http://127.0.0.1:{collector}/v1/metrics",
+        )  # fmt: skip
         assert wait_for(lambda: "kvsidecar_source_up{" in fetch(url + "/metrics")[2])
         fetch(url + "/api/v1/snapshots")  # so every handler has request metrics
-        return {name for name, _, _ in samples(fetch(url + "/metrics")[2])}
+        fetch(f"http://127.0.0.1:{gateway}/metrics")  # an endpoint picker's poll
+        text = fetch(url + "/metrics")[2]
+        # These two have no sample until their first event (a gateway connection the daemon
+        # closes, a lost OTLP batch): their family in the scrape is what the panel names.
+        families = {
+            fam.name + "_total"
+            for fam in text_string_to_metric_families(text)
+            if fam.type == "counter" and fam.name + "_total" in EVENT_COUNTERS
+        }
+        assert families == EVENT_COUNTERS, families
+        return families | {name for name, _, _ in samples(text)}
     finally:
         engine.kill()
         if daemon is not None:

@@ -100,14 +100,58 @@ def test_each_clone_runs_its_own_code_in_one_environment(shared_env: Path, tmp_p
 def test_the_shim_is_metadata_and_a_hook_only():
     files = engine_envs.shim_files()
     packages = {n.split("/")[0] for n in files if "/" in n and ".dist-info/" not in n}
-    assert not packages, f"the shim ships code of a clone: {packages}"
+    assert packages == {"kvsidecar-0.1.0.data"}, f"the shim ships code of a clone: {packages}"
+    scripts = [n for n in files if ".data/" in n]
+    assert scripts == ["kvsidecar-0.1.0.data/scripts/kvsidecar"], scripts
+    assert files[scripts[0]].startswith("#!/bin/sh\n")  # pip rewrites only `#!python`
     entry_points = next(t for n, t in files.items() if n.endswith("entry_points.txt"))
     assert "kvsidecar = kvsidecar.agent.engines.vllm:register" in entry_points
     assert "kvsidecar = kvsidecar.agent.engines.sglang_plugin:register" in entry_points
-    # No console script: its shebang would name the environment's real path (no clone).
+    # No console script: its shebang would name the environment's real path (no clone);
+    # bin/kvsidecar is a shell script instead (test_bin_kvsidecar_runs_the_linking_clone).
     assert "console_scripts" not in entry_points
     # The same bytes every time, so the key (part of the environment's name) is stable.
     assert engine_envs.shim_key() == engine_envs.shim_key()
+
+
+def test_bin_kvsidecar_runs_the_linking_clone(tmp_path: Path):
+    """The environment's `kvsidecar` command (issue 45 item 3: the docs' commands assumed
+    one, and there was none) runs `python -m kvsidecar` of the clone whose link it is called
+    through; called by the environment's own path it names the fix. Installed by pip, as
+    .ci/engine-env does, so pip's handling of the wheel's scripts is what is tested."""
+    env = tmp_path / "venv"
+    subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(env)], check=True)
+    wheel = engine_envs.write_wheel(tmp_path)
+    r = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(env / "bin" / "python"), "install",
+         "-q", "--no-deps", "--no-index", str(wheel)],
+        capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stderr[-2000:]
+    main = "import sys, kvsidecar\ndef main():\n    print(kvsidecar.WHO, sys.argv)\n"
+    for who in ("a", "b"):
+        cli = clone(tmp_path / who, who) / "kvsidecar" / "cli"  # pyproject's console script
+        cli.mkdir()
+        (cli / "__init__.py").write_text("")
+        (cli / "main.py").write_text(main)
+        linked(tmp_path / who, env)
+    base = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+
+    def kvsidecar(path: str, cwd: Path, *args: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [path, *args], capture_output=True, text=True, timeout=120, cwd=cwd, env=base
+        )
+
+    for who in ("a", "b"):
+        path = tmp_path / who / ".engine-envs" / "x" / "bin" / "kvsidecar"
+        r = kvsidecar(str(path), tmp_path, "dump", "-x y")
+        assert (r.returncode, r.stdout) == (0, f"{who} ['kvsidecar', 'dump', '-x y']\n"), r
+    # Relative, from the clone's root, as the docs print it.
+    r = kvsidecar(".engine-envs/x/bin/kvsidecar", tmp_path / "b", "ls")
+    assert (r.returncode, r.stdout) == (0, "b ['kvsidecar', 'ls']\n"), r
+    # The environment's own path names no clone: exit 2 and the fix, not an ImportError.
+    r = kvsidecar(str(env / "bin" / "kvsidecar"), tmp_path, "ls")
+    assert r.returncode == 2 and "<checkout>/.engine-envs/<name>/bin/kvsidecar" in r.stderr, r
 
 
 def test_engine_env_never_touches_environments_of_other_clones():
