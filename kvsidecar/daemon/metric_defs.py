@@ -525,10 +525,12 @@ POOL_DERIVED: tuple[MetricDef, ...] = (
         GAUGE,
         "ratio",
         "allocated_blocks / total_blocks (block occupancy; reserved blocks count as used). "
-        "vLLM's kv_cache_usage_perc, and the gateway's usage, are 1 - available_blocks / "
+        "Not the gateway's usage (1 - available_blocks / total_blocks) for a pool with "
+        "reserved blocks or a pending shrink.",
+        anchor="vllm:kv_cache_usage_perc (0-1), where available = total - allocated",
+        more="vLLM's kv_cache_usage_perc, and the gateway's usage, are 1 - available_blocks / "
         "total_blocks: the same for vLLM (available = total - allocated), not for a pool "
         "with reserved blocks or a pending shrink (ours, kvcached).",
-        anchor="vllm:kv_cache_usage_perc (0-1), where available = total - allocated",
     ),
     MetricDef(
         "kvsidecar_kv_pool_token_usage_ratio",
@@ -541,9 +543,8 @@ POOL_DERIVED: tuple[MetricDef, ...] = (
         GAUGE,
         "seconds",
         "How long the oldest deferred request of this pool has held its KV (now - "
-        "oldest_deferred_free_mono_ns, computed at scrape time; a writer in another time "
-        "namespace is read through its clock's offset); 0 when none is deferred; none "
-        "for a stamp later than now.",
+        "oldest_deferred_free_mono_ns at scrape time; a writer in another time namespace "
+        "through its clock's offset); 0 when none is deferred; none for a future stamp.",
         "oldest_deferred_free_mono_ns",
         anchor="none (no engine exports it)",
         more="A P/D transfer that never completes shows as an age that only grows. A stamp "
