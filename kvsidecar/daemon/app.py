@@ -130,7 +130,10 @@ class Daemon:
         per poll cycle, so a stream of probes costs a lookup each (it kept the check busy
         for half a core and /metrics waited behind it)."""
         t = self.targets
+        gateway = getattr(self.gateway_server, "gateway", None)
+        transitions = gateway.transitions if gateway is not None else 0
         key = (t.version, t.polls_total, t.refused_count, t.waiting, t.discovery_error)
+        key += (transitions,)
         cached = self._ready_cache
         if cached is not None and cached[0] == key:
             return cached[1]
@@ -157,6 +160,11 @@ class Daemon:
         summary = summary or "no segments"
         if self.targets.waiting:  # their names are in no series yet: say how many
             summary += f"; {self.targets.waiting} new segment(s) waiting for admission"
+        gateway = getattr(self.gateway_server, "gateway", None)
+        failing = gateway.not_ok() if gateway is not None else {}
+        if failing:  # still 200: the picker sees its 503s; an operator sees them here
+            ranks = ", ".join(f"dp_rank {r} {o}" for r, o in failing.items())
+            summary += f"; gateway answering 503 for {ranks}"
         if self.targets.discovery_error:
             # Still 200 (the sidecar's readiness gates the Pod), but never silent.
             summary += f"; discovery failing: {self.targets.discovery_error}"
@@ -226,10 +234,16 @@ class Daemon:
 def _gateway_stats(server: Any) -> dict[str, Any] | None:
     if server is None:
         return None
+    gateway = getattr(server, "gateway", None)
+    answers: dict = {}
+    if gateway is not None:
+        with gateway._lock:
+            answers = dict(gateway.answers)
     return {
         "requests": dict(server.requests),
         "closed": dict(server.closed),
         "connections": server.connections,
+        "answers": answers,
     }
 
 

@@ -21,7 +21,9 @@ sample after 2 s; a hung (SIGSTOPped) engine core was served 200 with frozen num
 from __future__ import annotations
 
 import errno
+import logging
 import socket
+import threading
 import time
 from collections.abc import Sequence
 
@@ -34,10 +36,23 @@ from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS, GATEWAY_STALE_AFTER
 from kvsidecar.web.poll_server import PollServer, Route
 from kvsidecar.web.sockets import bind
 
-__all__ = ["METRICS_PATH", "Gateway", "GatewayListenError", "start_gateway"]
+__all__ = ["METRICS_PATH", "OUTCOMES", "Gateway", "GatewayListenError", "start_gateway"]
+
+log = logging.getLogger(__name__)
 
 METRICS_PATH = "/metrics"  # the picker's default path (metrics-data-source `path`)
 _TEXT = "text/plain; charset=utf-8"
+# Why a poll got its answer: a fixed set, the `outcome` label of
+# kvsidecar_gateway_answers_total (never a value a client or a writer chooses).
+OK = "ok"
+OUTCOMES = (
+    OK,
+    "no_segment",  # no segment claims the rank (the engine's agent is not running)
+    "ambiguous",  # two live segments claim it (two roles or instances in one pod)
+    "not_fresh",  # up, but no progress for longer than --gateway.stale-after
+    "not_up",  # its segment is dead, stale, corrupt, refused or not ready
+    "not_found",  # a path other than /metrics (a client's mistake: no streak is logged)
+)
 
 
 class Gateway:
@@ -55,12 +70,19 @@ class Gateway:
         self.stale_after = stale_after
         self._version = -1
         self._by_rank: dict[int, list[Target]] = {}
+        # Answers by (dp_rank, outcome), read by the collector from another thread; each
+        # rank's last outcome, so a 503 streak is logged once, at its start and its end.
+        self.answers: dict[tuple[int, str], int] = {}
+        self.last_outcome: dict[int, tuple[str, str]] = {}
+        self.transitions = 0  # bumped at each logged change (readiness is cached on it)
+        self._lock = threading.Lock()
         # Per segment: the body of its last (incarnation, seq), while no age is in it.
         self._bodies: dict[str, tuple[tuple[int, int], bytes]] = {}
 
     def route(self, dp_rank: int) -> Route:
         def answer(path: str) -> tuple[int, bytes, str, bytes]:
             if path != METRICS_PATH:
+                self._count(dp_rank, "not_found")
                 return 404, f"not found: the gateway serves {METRICS_PATH}\n".encode(), _TEXT, b""
             return self.answer(dp_rank)
 
@@ -70,12 +92,41 @@ class Gateway:
         return [self.route(r) for r in range(ranks)]
 
     def answer(self, dp_rank: int) -> tuple[int, bytes, str, bytes]:
-        """(status, body, content type, extra headers) for one poll of `dp_rank`."""
+        """(status, body, content type, extra headers) for one poll of `dp_rank`; counted
+        by outcome, and a change of outcome logged once."""
+        outcome, answer = self._answer(dp_rank)
+        self._count(dp_rank, outcome)
+        last = self.last_outcome.get(dp_rank)
+        if last is None or last[0] != outcome:
+            self._transition(dp_rank, last, outcome, answer[1])
+        return answer
+
+    def not_ok(self) -> dict[int, str]:
+        """The ranks whose last poll was not answered 200, and why (their outcome)."""
+        return {r: o for r, (o, _) in sorted(self.last_outcome.items()) if o != OK}
+
+    def _count(self, dp_rank: int, outcome: str) -> None:
+        key = (dp_rank, outcome)
+        with self._lock:
+            self.answers[key] = self.answers.get(key, 0) + 1
+
+    def _transition(
+        self, dp_rank: int, last: tuple[str, str] | None, outcome: str, body: bytes
+    ) -> None:
+        why = body.decode(errors="replace").strip()[:300] if outcome != OK else ""
+        self.last_outcome[dp_rank] = (outcome, why)
+        self.transitions += 1
+        if outcome != OK:
+            log.warning("gateway dp_rank %d: answering 503 (%s): %s", dp_rank, outcome, why)
+        elif last is not None:
+            log.info("gateway dp_rank %d: answering 200 again (was %s)", dp_rank, last[0])
+
+    def _answer(self, dp_rank: int) -> tuple[str, tuple[int, bytes, str, bytes]]:
         candidates = self._candidates(dp_rank)
         if not candidates:
             who = f"dp_rank {dp_rank}" + (f" with role {self.role}" if self.role else "")
             why = f"no segment for {who}: is the engine's agent running?\n"
-            return 503, why.encode(), _TEXT, b""
+            return "no_segment", (503, why.encode(), _TEXT, b"")
         # The read that makes the answer fresh: each candidate polled now.
         views = [t.poll(log_transitions=True) for t in candidates]
         up = [v for v in views if v.up and v.last is not None]
@@ -88,19 +139,21 @@ class Gateway:
                     f"{view.name}: not fresh: no progress for {still:.2f}s > "
                     f"--gateway.stale-after {self.stale_after:g}s (hung or stopped?)\n"
                 )
-                return 503, why.encode(), _TEXT, b""
+                return "not_fresh", (503, why.encode(), _TEXT, b"")
             # Which step was served, for whoever checks freshness (the body stays lean).
             step = b"Kvsidecar-Step: %d\r\n" % last.snapshot.runtime.step
-            return 200, self._body(view.name, last, view.clock_offset_ns), CONTENT_TYPE, step
+            body = self._body(view.name, last, view.clock_offset_ns)
+            return OK, (200, body, CONTENT_TYPE, step)
         if len(up) > 1:
             names = ", ".join(v.name for v in up)
             why = (
                 f"segments {names} all claim dp_rank {dp_rank}: pass --gateway.role, or run "
                 "one engine instance per pod\n"
             )
-            return 503, why.encode(), _TEXT, b""
+            return "ambiguous", (503, why.encode(), _TEXT, b"")
         v = views[0]
-        return 503, f"{v.name}: {v.state}: {v.error or 'not up'}\n".encode(), _TEXT, b""
+        why = f"{v.name}: {v.state}: {v.error or 'not up'}\n"
+        return "not_up", (503, why.encode(), _TEXT, b"")
 
     def _body(self, name: str, last: Reading, clock_offset_ns: int) -> bytes:
         key = (last.incarnation, last.seq)
@@ -169,5 +222,6 @@ def start_gateway(targets: TargetSet, options: GatewayOptions) -> PollServer:
         max_connections=options.max_connections,
         name="kvsidecar-gateway",
     )
+    server.gateway = gateway  # type: ignore[attr-defined]  # its answers, for the collector
     server.start()
     return server

@@ -767,6 +767,16 @@ GATEWAY_REQUESTS_TOTAL = MetricDef(
     "(label code): 200 with a rank's fresh numbers, 503 for a rank that is not up. No "
     "series while the gateway is off.",
 )
+GATEWAY_ANSWERS_TOTAL = MetricDef(
+    "kvsidecar_gateway_answers_total",
+    COUNTER,
+    "answers",
+    "Gateway polls by rank (dp_rank: the listener, fixed by --gateway.ranks) and outcome: "
+    "ok (200), no_segment, ambiguous, not_fresh, not_up (503), not_found (404).",
+    more="A fixed set of outcomes, never a value a client or a writer chooses. A change of "
+    "a rank's outcome is logged once (a 503 streak at its start, with its reason, and its "
+    "end), and `/-/ready` names the ranks whose last poll got a 503.",
+)
 GATEWAY_CONNECTIONS = MetricDef(
     "kvsidecar_gateway_connections",
     GAUGE,
@@ -831,6 +841,7 @@ DAEMON: tuple[MetricDef, ...] = (
     HTTP_REQUESTS_TOTAL,
     HTTP_REQUEST_DURATION_SECONDS,
     GATEWAY_REQUESTS_TOTAL,
+    GATEWAY_ANSWERS_TOTAL,
     GATEWAY_CONNECTIONS,
     GATEWAY_CONNECTIONS_CLOSED_TOTAL,
     REFUSED_SEGMENTS_BY_REASON,

@@ -137,12 +137,14 @@ def shm(tmp_path_factory):
 GATEWAY_PORTS = 4
 
 
-def daemon_with_gateway(shm: str, *extra: str) -> tuple[subprocess.Popen, str, int]:
+def daemon_with_gateway(shm: str, *extra: str, **popen) -> tuple[subprocess.Popen, str, int]:
     # every rank's port (base + dp_rank) must be free, not only the base
     port = free_port_run(GATEWAY_PORTS)
     daemon, url = start_daemon(
-        shm, "--poll-interval", "0.25", "--gateway.listen-address", f"127.0.0.1:{port}", *extra
-    )
+        shm,
+        "--poll-interval", "0.25", "--gateway.listen-address", f"127.0.0.1:{port}", *extra,
+        **popen,
+    )  # fmt: skip
     return daemon, url, port
 
 
