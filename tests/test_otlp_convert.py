@@ -1,12 +1,12 @@
-"""Families -> OTLP (kvsidecar/otlp/convert.py): one Resource per rank, values kept, delta."""
+"""Families -> OTLP (kvsidecar/otlp/convert.py): one Resource per rank, values kept, delta;
+every batch decoded by opentelemetry-proto's own ExportMetricsServiceRequest."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("opentelemetry.sdk", reason="needs the kvsidecar[otlp] extra")
+pytest.importorskip("opentelemetry.proto", reason="needs the kvsidecar[otlp] extra")
 
-from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
@@ -18,7 +18,7 @@ from prometheus_client.core import (
 )
 
 from kvsidecar.daemon.metric_defs import POOL_LABELS, RANK_LABELS
-from kvsidecar.otlp.convert import Delta, to_metrics_data
+from kvsidecar.otlp.convert import Delta, Encoder
 
 
 def _families(steps: float, count: float) -> list:
@@ -55,8 +55,13 @@ def _points(req) -> dict:
     return out
 
 
+def _encode(families, now: int, start: int, enc: Encoder | None = None, instances=None):
+    enc = enc if enc is not None else Encoder()
+    return ExportMetricsServiceRequest.FromString(enc.encode(families, now, start, instances).body)
+
+
 def test_cumulative_one_resource_per_rank() -> None:
-    req = encode_metrics(to_metrics_data(_families(5, 2), 2_000, 1_000))
+    req = _encode(_families(5, 2), 2_000, 1_000)
     assert len(req.resource_metrics) == 3  # two ranks + the daemon's own
     pts = _points(req)
     assert pts[("0", "kvsidecar.engine.steps", ())] == (5, "{step}", 2)  # 2 = CUMULATIVE
@@ -68,9 +73,9 @@ def test_cumulative_one_resource_per_rank() -> None:
 
 
 def test_delta_sends_differences() -> None:
-    d = Delta()
-    to_metrics_data(_families(5, 2), 2_000, 1_000, d)
-    pts = _points(encode_metrics(to_metrics_data(_families(9, 3), 3_000, 2_000, d)))
+    enc = Encoder(delta=Delta())
+    _encode(_families(5, 2), 2_000, 1_000, enc)
+    pts = _points(_encode(_families(9, 3), 3_000, 2_000, enc))
     assert pts[("0", "kvsidecar.engine.steps", ())] == (4, "{step}", 1)  # 1 = DELTA
     key = ("0", "kvsidecar.kv_pool.allocated_blocks", (("group", "0"), ("pool", "kv")))
     assert pts[key][0] == 10  # gauges stay as they are
@@ -80,8 +85,7 @@ def test_delta_sends_differences() -> None:
 
 def _decoded(families, instances) -> ExportMetricsServiceRequest:
     """Through the wire format, as a collector receives it."""
-    req = encode_metrics(to_metrics_data(families, 2_000, 1_000, instances=instances))
-    return ExportMetricsServiceRequest.FromString(req.SerializeToString())
+    return _encode(families, 2_000, 1_000, instances=instances)
 
 
 def test_rank_resource_names_the_instance() -> None:
