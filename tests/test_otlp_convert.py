@@ -116,3 +116,35 @@ def test_info_families_are_pushed() -> None:
     assert (m.name, m.unit, m.WhichOneof("data")) == ("kvsidecar.engine.info", "1", "gauge")
     attrs = {a.key: a.value.string_value for a in m.gauge.data_points[0].attributes}
     assert attrs == {"device": "cuda:0"} and m.gauge.data_points[0].as_int == 1
+
+
+def test_kept_encodings_follow_the_fleet() -> None:
+    """What does not change between pushes is encoded once; a segment gone for a push is
+    forgotten, so a fleet whose engines come and go never grows the encoder."""
+    enc = Encoder()
+    _encode(_families(5, 2), 2_000, 1_000, enc)
+    steps = CounterMetricFamily("kvsidecar_engine_steps", "", labels=RANK_LABELS)
+    steps.add_metric(["seg9", "vllm", "m", "decode", "9", "0", "0"], 1)
+    for _ in range(2):  # the first push keeps the departed ranks' as "old", the second drops them
+        req = _encode([steps], 3_000, 1_000, enc)
+    kept = {k[1] for k in enc._labels} | {k[1] for k in enc._labels._old}
+    assert all(dict(labels).get("segment") == "seg9" for labels in kept), kept
+    assert len(enc._resources) + len(enc._resources._old) == 1
+    assert _points(req)[("9", "kvsidecar.engine.steps", ())][0] == 1
+
+
+def test_values_of_every_kind_survive_the_wire() -> None:
+    g = GaugeMetricFamily("kvsidecar_kv_pool_allocated_blocks", "", labels=POOL_LABELS)
+    rank = ["s", "vllm", "m", "decode", "0", "0", "0"]
+    for i, v in enumerate([0, -1, 2**63 - 1, 2**64 - 1, 0.25, float("inf"), float("nan")]):
+        g.add_metric([*rank, "kv", str(i)], v)
+    pts = _points(_encode([g], 2_000, 1_000))
+    got = {k[2][0][1]: v[0] for k, v in pts.items()}
+    assert got == {
+        "0": 0,
+        "1": -1,
+        "2": 2**63 - 1,
+        "3": float(2**64 - 1),
+        "4": 0.25,
+        "5": float("inf"),
+    }

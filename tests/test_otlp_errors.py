@@ -97,3 +97,22 @@ def test_a_batch_that_fails_to_build_skips_one_push(caplog: pytest.LogCaptureFix
     p.stop()
     assert len(calls) >= 3  # the ticker went on after the failure
     assert any("building a batch failed: ValueError" in r.getMessage() for r in caplog.records)
+
+
+def test_first_success_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    exp = _Flaky()
+    p = Pusher(list, exp, 3600)
+    caplog.set_level(logging.INFO, logger="kvsidecar.otlp")
+    p.send_one(EMPTY)  # failing first
+    exp.fail = False
+    for _ in range(3):
+        p.send_one(Batch(b"x" * 10, 2, 5))
+    exp.fail = True
+    p.send_one(EMPTY)
+    exp.fail = False
+    p.send_one(EMPTY)
+    first = [r.getMessage() for r in caplog.records if "first batch accepted" in r.getMessage()]
+    assert first == [
+        "OTLP push to http://c:4318/v1/metrics: first batch accepted "
+        "(2 resources, 5 points, 10 bytes)"
+    ]
