@@ -123,3 +123,14 @@ def test_certificate_variables_are_read_and_loaded(tmp_path: Path) -> None:
     env = {"OTEL_EXPORTER_OTLP_CERTIFICATE": str(junk)}
     with pytest.raises(OtlpConfigError, match=r"OTEL_EXPORTER_OTLP_CERTIFICATE .*ca\.pem: no PEM"):
         _resolve(env, otlp_endpoint="https://c:4318/v1/metrics")
+
+
+def test_docs_say_what_make_venv_installs() -> None:
+    """docs/otlp.md: "`make venv` already installs it (`.venv` is made with
+    `-e '.[agent,dev,otlp]'`)": the Makefile's venv target says the same."""
+    from tests.conftest import REPO
+
+    makefile = (Path(REPO) / "Makefile").read_text()
+    docs = (Path(REPO) / "docs" / "otlp.md").read_text()
+    said = "`-e '.[agent,dev,otlp]'`"
+    assert said in docs and f"-c constraints.txt {said[1:-1]}" in makefile

@@ -23,7 +23,7 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
 
-from tests.support.otlp_receiver import HostileCollector
+from tests.attacks.hostile_collector import HostileCollector
 from tests.support.procs import start_daemon, wait_for
 from tests.support.scrape import fetch, value
 
