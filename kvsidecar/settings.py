@@ -232,8 +232,9 @@ OTLP_ENDPOINT = _s(
     "OTLP_ENDPOINT",
     "str",
     None,
-    "push the metrics to this OTLP/HTTP endpoint, e.g. https://collector:4318/v1/metrics "
-    "(off when unset; needs kvsidecar[otlp])",
+    "push the metrics to this OTLP/HTTP endpoint, used as is, e.g. "
+    "https://collector:4318/v1/metrics (off when unset, unless an OTEL_EXPORTER_OTLP_*ENDPOINT "
+    "variable is set: docs/otlp.md; needs kvsidecar[otlp])",
     DAEMON,
     flag="--otlp.endpoint",
 )

@@ -161,6 +161,25 @@ def makefile_targets() -> set[str]:
     return set(re.findall(r"^([\w.-]+):", text, re.M))
 
 
+def check_extras(extras: str | None) -> None:
+    if extras:
+        text = (Path(REPO) / "pyproject.toml").read_text()
+        section = text.split("[project.optional-dependencies]", 1)[1].split("\n[", 1)[0]
+        known = set(re.findall(r"^(\w+) = ", section, re.M))
+        assert set(extras.split(",")) <= known, f"no extra {extras} in pyproject.toml"
+
+
+def check_line(line: str) -> None:
+    """What shlex hides: a glob in quotes never expands, and an unquoted `*.whl[x]` is a
+    bracket glob that matches nothing (pip then gets the `*`)."""
+    for word in re.findall(r"'[^']*'|\"[^\"]*\"", line):
+        inner = re.sub(r"\$\([^)]*\)", "", word)  # $(...) expands inside double quotes
+        assert "*" not in inner, f"{line}: the quoted glob {word} reaches the program as is"
+    assert not re.search(
+        r"(?<![\w)])[\w./-]*\*[\w.-]*\[", line.replace("$(", "").replace(")[", " ")
+    ), f"{line}: an unquoted glob followed by [ is a bracket expression"
+
+
 def check(argv: list[str]) -> None:
     prog = argv[0]
     check_paths(argv)
@@ -193,7 +212,21 @@ def check(argv: list[str]) -> None:
         unknown = set(targets) - makefile_targets()
         assert not unknown, f"make: no target {sorted(unknown)}"
     elif re.fullmatch(r"/opt/[\w-]+/bin/pip", prog):  # our venv, or an engine's (vLLM's)
-        assert argv[1:3] == ["install", argv[2]] and argv[2].startswith("dist/kvsidecar-"), argv
+        assert argv[1] == "install" and len(argv) == 3, argv
+        # The wheel, or the wheel with extras: "$(echo dist/...*.whl)[extra]" (the shell
+        # expands the glob inside $(...); quoted as a whole it would reach pip unexpanded).
+        m = re.fullmatch(
+            r"(?:\$\(echo (dist/kvsidecar-\S+\.whl)\)\[([\w,]+)\])|(dist/kvsidecar-.*)", argv[2]
+        )
+        assert m, f'{argv}: install dist/kvsidecar-<version>-*.whl, or "$(echo <it>)[extra]"'
+        check_extras(m.group(2))
+    elif prog == ".venv/bin/pip":  # a clone's venv: only ever the editable install, kept
+        m = re.fullmatch(r"\.\[([\w,]+)\]", argv[-1])
+        assert argv[1:3] == ["install", "-e"] and len(argv) == 4 and m, (
+            f"{argv}: .venv/bin/pip install -e '.[extra]' (without -e, pip replaces the "
+            "editable install with a copy)"
+        )
+        check_extras(m.group(1))
     elif prog == "python3" and argv[1:3] == ["-m", "venv"]:
         pass  # creating a venv with the system Python is fine
     else:
@@ -207,6 +240,8 @@ def test_every_documented_command_checks_out() -> None:
     failures = []
     for doc, line, argv in found:
         try:
+            if argv[0].endswith("/pip"):
+                check_line(line)
             check(argv)
         except (AssertionError, click.ClickException) as e:
             failures.append(f"{doc}: {line}\n    {e}")
@@ -222,6 +257,11 @@ def test_checker_catches_what_the_issue_found() -> None:
         "kvsidecar dump --no-such-option",
         "kvsidecar serve --log.level verbose",
         "curl -s localhost:9400/metrics",
+        # issue 45: a quoted glob, a replaced editable install, a bracket glob
+        "/opt/kvsidecar/bin/pip install 'dist/kvsidecar-0.1.0-*.whl[otlp]'",
+        ".venv/bin/pip install '.[otlp]'",
+        "/opt/kvsidecar/bin/pip install dist/kvsidecar-0.1.0-*.whl[otlp]",
+        ".venv/bin/pip install -e '.[nosuchextra]'",
     ]
     ok = ["kvsidecar " + bad[0]]
     for line in ok:
@@ -230,6 +270,8 @@ def test_checker_catches_what_the_issue_found() -> None:
     for line in bad[1:]:
         with pytest.raises((AssertionError, click.ClickException)):
             for argv in simple_commands(line):
+                if argv[0].endswith("/pip"):
+                    check_line(line)
                 check(argv)
 
 
@@ -294,6 +336,18 @@ def test_make_dist_builds_an_installable_wheel_and_sdist(tmp_path: Path) -> None
         timeout=300,
     )
     assert r.returncode == 0, r.stderr
+    # docs/otlp.md's wheel line with the extra, run by the shell as printed (issue 45: the
+    # quoted glob it had reached pip unexpanded); no dependencies: they are this venv's.
+    otlp = (Path(REPO) / "docs" / "otlp.md").read_text()
+    line = next(
+        ln for b in shell_blocks(otlp) for ln in commands(b) if "[otlp]" in ln and "whl" in ln
+    )
+    pip = f"{sys.executable} -m pip install -q --no-deps --target {tmp_path / 'otlp'}"
+    r = subprocess.run(
+        ["bash", "-c", line.replace("/opt/kvsidecar/bin/pip install", pip, 1)],
+        capture_output=True, text=True, timeout=300, cwd=REPO,
+    )  # fmt: skip
+    assert r.returncode == 0 and (tmp_path / "otlp" / "kvsidecar").is_dir(), (line, r.stderr)
     r = subprocess.run(
         [sys.executable, "-c", "import kvsidecar, sys; print(kvsidecar.__file__); "
          "from kvsidecar.cli.main import main; sys.argv=['kvsidecar','--version']; main()"],

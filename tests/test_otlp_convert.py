@@ -1,12 +1,12 @@
-"""Families -> OTLP (kvsidecar/otlp/convert.py): one Resource per rank, values kept, delta."""
+"""Families -> OTLP (kvsidecar/otlp/convert.py): one Resource per rank, values kept, delta;
+every batch decoded by opentelemetry-proto's own ExportMetricsServiceRequest."""
 
 from __future__ import annotations
 
 import pytest
 
-pytest.importorskip("opentelemetry.sdk", reason="needs the kvsidecar[otlp] extra")
+pytest.importorskip("opentelemetry.proto", reason="needs the kvsidecar[otlp] extra")
 
-from opentelemetry.exporter.otlp.proto.common.metrics_encoder import encode_metrics
 from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
     ExportMetricsServiceRequest,
 )
@@ -18,7 +18,7 @@ from prometheus_client.core import (
 )
 
 from kvsidecar.daemon.metric_defs import POOL_LABELS, RANK_LABELS
-from kvsidecar.otlp.convert import Delta, to_metrics_data
+from kvsidecar.otlp.convert import Delta, Encoder
 
 
 def _families(steps: float, count: float) -> list:
@@ -55,8 +55,13 @@ def _points(req) -> dict:
     return out
 
 
+def _encode(families, now: int, start: int, enc: Encoder | None = None, instances=None):
+    enc = enc if enc is not None else Encoder()
+    return ExportMetricsServiceRequest.FromString(enc.encode(families, now, start, instances).body)
+
+
 def test_cumulative_one_resource_per_rank() -> None:
-    req = encode_metrics(to_metrics_data(_families(5, 2), 2_000, 1_000))
+    req = _encode(_families(5, 2), 2_000, 1_000)
     assert len(req.resource_metrics) == 3  # two ranks + the daemon's own
     pts = _points(req)
     assert pts[("0", "kvsidecar.engine.steps", ())] == (5, "{step}", 2)  # 2 = CUMULATIVE
@@ -68,9 +73,9 @@ def test_cumulative_one_resource_per_rank() -> None:
 
 
 def test_delta_sends_differences() -> None:
-    d = Delta()
-    to_metrics_data(_families(5, 2), 2_000, 1_000, d)
-    pts = _points(encode_metrics(to_metrics_data(_families(9, 3), 3_000, 2_000, d)))
+    enc = Encoder(delta=Delta())
+    _encode(_families(5, 2), 2_000, 1_000, enc)
+    pts = _points(_encode(_families(9, 3), 3_000, 2_000, enc))
     assert pts[("0", "kvsidecar.engine.steps", ())] == (4, "{step}", 1)  # 1 = DELTA
     key = ("0", "kvsidecar.kv_pool.allocated_blocks", (("group", "0"), ("pool", "kv")))
     assert pts[key][0] == 10  # gauges stay as they are
@@ -80,8 +85,7 @@ def test_delta_sends_differences() -> None:
 
 def _decoded(families, instances) -> ExportMetricsServiceRequest:
     """Through the wire format, as a collector receives it."""
-    req = encode_metrics(to_metrics_data(families, 2_000, 1_000, instances=instances))
-    return ExportMetricsServiceRequest.FromString(req.SerializeToString())
+    return _encode(families, 2_000, 1_000, instances=instances)
 
 
 def test_rank_resource_names_the_instance() -> None:
@@ -112,3 +116,35 @@ def test_info_families_are_pushed() -> None:
     assert (m.name, m.unit, m.WhichOneof("data")) == ("kvsidecar.engine.info", "1", "gauge")
     attrs = {a.key: a.value.string_value for a in m.gauge.data_points[0].attributes}
     assert attrs == {"device": "cuda:0"} and m.gauge.data_points[0].as_int == 1
+
+
+def test_kept_encodings_follow_the_fleet() -> None:
+    """What does not change between pushes is encoded once; a segment gone for a push is
+    forgotten, so a fleet whose engines come and go never grows the encoder."""
+    enc = Encoder()
+    _encode(_families(5, 2), 2_000, 1_000, enc)
+    steps = CounterMetricFamily("kvsidecar_engine_steps", "", labels=RANK_LABELS)
+    steps.add_metric(["seg9", "vllm", "m", "decode", "9", "0", "0"], 1)
+    for _ in range(2):  # the first push keeps the departed ranks' as "old", the second drops them
+        req = _encode([steps], 3_000, 1_000, enc)
+    kept = {k[1] for k in enc._labels} | {k[1] for k in enc._labels._old}
+    assert all(dict(labels).get("segment") == "seg9" for labels in kept), kept
+    assert len(enc._resources) + len(enc._resources._old) == 1
+    assert _points(req)[("9", "kvsidecar.engine.steps", ())][0] == 1
+
+
+def test_values_of_every_kind_survive_the_wire() -> None:
+    g = GaugeMetricFamily("kvsidecar_kv_pool_allocated_blocks", "", labels=POOL_LABELS)
+    rank = ["s", "vllm", "m", "decode", "0", "0", "0"]
+    for i, v in enumerate([0, -1, 2**63 - 1, 2**64 - 1, 0.25, float("inf"), float("nan")]):
+        g.add_metric([*rank, "kv", str(i)], v)
+    pts = _points(_encode([g], 2_000, 1_000))
+    got = {k[2][0][1]: v[0] for k, v in pts.items()}
+    assert got == {
+        "0": 0,
+        "1": -1,
+        "2": 2**63 - 1,
+        "3": float(2**64 - 1),
+        "4": 0.25,
+        "5": float("inf"),
+    }

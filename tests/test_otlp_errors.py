@@ -7,12 +7,13 @@ import time
 
 import pytest
 
-pytest.importorskip("opentelemetry.sdk", reason="needs the kvsidecar[otlp] extra")
+pytest.importorskip("requests", reason="needs the kvsidecar[otlp] extra")
 
-from opentelemetry.sdk.metrics.export import MetricExportResult
-
+from kvsidecar.otlp.convert import Batch
 from kvsidecar.otlp.errors import explain
 from kvsidecar.otlp.push import Pusher
+
+EMPTY = Batch(b"", 0, 0)
 
 
 @pytest.mark.parametrize(
@@ -28,6 +29,8 @@ from kvsidecar.otlp.push import Pusher
         ("ReadTimeout: HTTPConnectionPool(...): Read timed out. (read timeout=10)", "in time"),
         ("code: 401", "--otlp.headers-file"),
         ("code: 404", "/v1/metrics"),
+        ("answer over 64 KiB", "answer over 64 KiB: is the endpoint an OTLP/HTTP receiver?"),
+        ("no complete answer within 10 s", "within 10 s: the collector is slow, or trickles"),
     ],
 )
 def test_explain_names_the_fix(message: str, hint: str) -> None:
@@ -41,35 +44,37 @@ def test_unknown_cause_is_one_short_line() -> None:
 
 
 class _Flaky:
-    """An exporter failing while ``fail`` is set."""
+    """A sender failing while ``fail`` is set."""
+
+    endpoint = "http://c:4318/v1/metrics"
 
     def __init__(self) -> None:
         self.fail = True
 
-    def export(self, data, **kw) -> MetricExportResult:
-        return MetricExportResult.FAILURE if self.fail else MetricExportResult.SUCCESS
+    def send(self, body: bytes) -> str:
+        return "code: 503" if self.fail else ""
 
-    def shutdown(self, **kw) -> None:
+    def close(self) -> None:
         pass
 
 
 def test_failures_logged_once_and_counted(caplog: pytest.LogCaptureFixture) -> None:
     exp = _Flaky()
-    p = Pusher(list, exp, 3600, endpoint="http://c:4318/v1/metrics")  # type: ignore[arg-type]
+    p = Pusher(list, exp, 3600)
     caplog.set_level(logging.INFO, logger="kvsidecar.otlp")
     for _ in range(5):
-        p.send_one(None)
+        p.send_one(EMPTY)
     assert p.dropped() == {"queue_full": 0, "send_failed": 5}
     errors = [r for r in caplog.records if r.levelno == logging.ERROR]
     assert len(errors) == 1  # not one per interval
     assert "http://c:4318/v1/metrics failing" in errors[0].getMessage()
     exp.fail = False
-    p.send_one(None)
+    p.send_one(EMPTY)
     assert p.failing == "" and "works again" in caplog.records[-1].getMessage()
 
 
 def test_queue_overflow_counted_as_queue_full() -> None:
-    p = Pusher(list, _Flaky(), 3600, maxsize=2)  # type: ignore[arg-type]
+    p = Pusher(list, _Flaky(), 3600, maxsize=2)
     for _ in range(5):  # no sender thread: the queue only fills
         p.tick_once()
     assert p.dropped() == {"queue_full": 3, "send_failed": 0}
@@ -84,7 +89,7 @@ def test_a_batch_that_fails_to_build_skips_one_push(caplog: pytest.LogCaptureFix
             raise ValueError("a family the converter did not expect")
         return []
 
-    p = Pusher(families, _Flaky(), 0.05)  # type: ignore[arg-type]
+    p = Pusher(families, _Flaky(), 0.05)
     p.start()
     deadline = time.monotonic() + 60  # an "eventually" on a shared host
     while len(calls) < 3 and time.monotonic() < deadline:
@@ -92,3 +97,22 @@ def test_a_batch_that_fails_to_build_skips_one_push(caplog: pytest.LogCaptureFix
     p.stop()
     assert len(calls) >= 3  # the ticker went on after the failure
     assert any("building a batch failed: ValueError" in r.getMessage() for r in caplog.records)
+
+
+def test_first_success_logged_once(caplog: pytest.LogCaptureFixture) -> None:
+    exp = _Flaky()
+    p = Pusher(list, exp, 3600)
+    caplog.set_level(logging.INFO, logger="kvsidecar.otlp")
+    p.send_one(EMPTY)  # failing first
+    exp.fail = False
+    for _ in range(3):
+        p.send_one(Batch(b"x" * 10, 2, 5))
+    exp.fail = True
+    p.send_one(EMPTY)
+    exp.fail = False
+    p.send_one(EMPTY)
+    first = [r.getMessage() for r in caplog.records if "first batch accepted" in r.getMessage()]
+    assert first == [
+        "OTLP push to http://c:4318/v1/metrics: first batch accepted "
+        "(2 resources, 5 points, 10 bytes)"
+    ]

@@ -8,13 +8,14 @@ import time
 
 import pytest
 
-pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
+pytest.importorskip("requests", reason="needs kvsidecar[otlp]")
+pytest.importorskip("opentelemetry.proto", reason="needs kvsidecar[otlp]")
 
-from opentelemetry.exporter.otlp.proto.http.metric_exporter import OTLPMetricExporter
 from prometheus_client.core import CounterMetricFamily
 
 from kvsidecar.daemon.metric_defs import RANK_LABELS
 from kvsidecar.otlp.push import Pusher
+from kvsidecar.otlp.transport import Sender
 from tests.support.otlp_receiver import start_receiver
 
 WAIT_S = 60.0  # generous: a shared 2-core host; never a bound on speed
@@ -36,7 +37,7 @@ def _until(cond) -> None:
 def test_push_reaches_the_receiver() -> None:
     srv, got = start_receiver()
     url = f"http://127.0.0.1:{srv.server_address[1]}/v1/metrics"
-    p = Pusher(_families, OTLPMetricExporter(endpoint=url, timeout=5), 0.05)
+    p = Pusher(_families, Sender(url, timeout_s=5), 0.05)
     p.start()
     _until(lambda: len(got) >= 2)
     p.stop()
@@ -49,7 +50,7 @@ def test_stalled_receiver_drops_counted_memory_bounded() -> None:
     stall = threading.Event()
     srv, _ = start_receiver(stall)
     url = f"http://127.0.0.1:{srv.server_address[1]}/v1/metrics"
-    p = Pusher(_families, OTLPMetricExporter(endpoint=url, timeout=30), 3600, maxsize=2)
+    p = Pusher(_families, Sender(url, timeout_s=30), 3600, maxsize=2)
     p.start()
     for _ in range(10):  # the ticker's body: never blocks on the stalled network
         p.tick_once()
@@ -65,8 +66,7 @@ def test_dead_receiver_counts_failures() -> None:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
     s.close()  # nothing listens there now
-    exp = OTLPMetricExporter(endpoint=f"http://127.0.0.1:{port}/v1/metrics", timeout=2)
-    p = Pusher(_families, exp, 3600)
+    p = Pusher(_families, Sender(f"http://127.0.0.1:{port}/v1/metrics", timeout_s=2), 3600)
     p.start()
     p.tick_once()
     _until(lambda: p.stats["failed"] >= 1)

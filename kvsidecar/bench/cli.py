@@ -198,10 +198,24 @@ def discoverflood_cmd(quick: bool, out: str) -> None:
 @bench.command(name="otlp")
 @quick_option
 @out_option
-def otlp_cmd(quick: bool, out: str) -> None:
+@click.option(
+    "--hostile",
+    is_flag=True,
+    help="Instead: peak RSS against hostile collectors (a checkout only; #43).",
+)
+def otlp_cmd(quick: bool, out: str, hostile: bool) -> None:
     """Daemon CPU per push interval and RSS: no push, dead and live collector (#34)."""
     from kvsidecar.bench import otlp
 
+    if hostile:
+        h = otlp.hostile()
+        report.print_table(
+            "OTLP push against hostile collectors, 8 ranks x 4 pools, until 3 answers each",
+            otlp.HOSTILE_HEADERS,
+            otlp.hostile_rows(h),
+        )
+        report.write_json(out, "otlp-hostile", h)
+        return
     r = otlp.run(quick=quick)
     if "skipped" in r:
         click.echo(f"otlp skipped: {r['skipped']}")

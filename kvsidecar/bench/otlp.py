@@ -7,6 +7,10 @@ nothing). All three are measured over the same windows, so host load hits them a
 CPU time and RSS come from /proc. Reported: medians over the windows of each daemon's
 CPU per push interval and of its RSS, and the push's share (push minus no push, paired
 per window).
+
+``--hostile`` (a checkout only: the collector is in tests/attacks/): one daemon per hostile
+collector answer (a 300 MB body, a gzip bomb, an answer trickled a byte every 0.5 s), each
+until 3 answers were offered: its peak RSS (VmHWM) and the batches that failed.
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from kvsidecar.bench import checkout
 from kvsidecar.bench.fleet import fleet, free_port, proc_stat, start_daemon, stop_daemon
 
 INTERVAL_S = 1.0  # short, to measure many pushes; the default is 15 s
@@ -121,3 +126,69 @@ def rows(r: dict[str, Any]) -> list[list[Any]]:
             ]
         )
     return out
+
+
+HOSTILE = ("big", "bomb", "trickle")
+HOSTILE_TIMEOUT_MS = 2000  # OTEL_EXPORTER_OTLP_TIMEOUT for the trickler: 2 s, not 10
+
+
+def _peak_mib(pid: int) -> float:
+    with open(f"/proc/{pid}/status") as f:
+        line = next(ln for ln in f if ln.startswith("VmHWM:"))
+    return round(int(line.split()[1]) / 1024, 1)
+
+
+def hostile(answers: int = 3, wait_s: float = 120.0) -> dict[str, Any]:
+    """Each hostile answer against its own daemon following 8 ranks x 4 pools."""
+    import os
+
+    attacks = checkout.load("hostile_collector")
+    out: dict[str, Any] = {}
+    with fleet(ranks=8, pools=4, hz=100.0) as f:
+        out["no push"] = {"peak_rss_mib": _peak_mib(f["daemon_pid"])}
+        for mode in HOSTILE:
+            collector = attacks.HostileCollector(mode)
+            env = {**os.environ, "OTEL_EXPORTER_OTLP_TIMEOUT": str(HOSTILE_TIMEOUT_MS)}
+            proc, url = start_daemon(
+                f["shm_dir"], "--otlp.endpoint", collector.url, "--otlp.interval", "0.5", env=env
+            )
+            try:
+                deadline = time.monotonic() + wait_s
+                while collector.requests < answers and time.monotonic() < deadline:
+                    time.sleep(0.2)
+                failed = _send_failed(url)
+                out[mode] = {
+                    "answers_offered": collector.requests,
+                    "peak_rss_mib": _peak_mib(proc.pid),
+                    "batches_failed": failed,
+                }
+            finally:
+                stop_daemon(proc)
+                collector.close()
+    return out
+
+
+def _send_failed(url: str) -> float:
+    import urllib.request
+
+    from prometheus_client.parser import text_string_to_metric_families
+
+    with urllib.request.urlopen(url + "/metrics", timeout=10) as r:
+        text = r.read().decode()
+    for fam in text_string_to_metric_families(text):
+        for s in fam.samples:
+            if s.name == "kvsidecar_otlp_dropped_batches_total" and s.labels == {
+                "reason": "send_failed"
+            }:
+                return s.value
+    return float("nan")
+
+
+HOSTILE_HEADERS = ["collector", "answers offered", "daemon peak RSS MiB", "batches failed"]
+
+
+def hostile_rows(r: dict[str, Any]) -> list[list[Any]]:
+    return [
+        [mode, v.get("answers_offered", "-"), v["peak_rss_mib"], v.get("batches_failed", "-")]
+        for mode, v in r.items()
+    ]

@@ -101,7 +101,13 @@ def test_tls_with_ca_and_token(
     finally:
         _stop(proc)
         srv.shutdown()
-    assert TOKEN not in err.read_text()  # never logged
+    text = err.read_text()
+    assert TOKEN not in text  # never logged
+    # One line when the push starts, one when the collector first takes a batch (issue 45).
+    started = [ln for ln in text.splitlines() if "OTLP push to https://" in ln and "every" in ln]
+    assert len(started) == 1 and "every 0.3 s (cumulative" in started[0], text
+    first = [ln for ln in text.splitlines() if "first batch accepted" in ln]
+    assert len(first) == 1 and "resources" in first[0], text
 
 
 def test_tls_without_ca_fails_in_one_line(
@@ -116,8 +122,10 @@ def test_tls_without_ca_fails_in_one_line(
         _stop(proc)
         srv.shutdown()
     assert not got
-    lines = [ln for ln in err.read_text().splitlines() if "OTLP" in ln or "Traceback" in ln]
+    text = err.read_text()
+    lines = [ln for ln in text.splitlines() if "failing" in ln or "Traceback" in ln]
     assert len(lines) == 1, lines  # once, not once per push
+    assert "first batch accepted" not in text
     assert "TLS certificate not trusted" in lines[0] and "--otlp.ca-file" in lines[0], lines
 
 

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-pytest.importorskip("opentelemetry.exporter.otlp.proto.http", reason="needs kvsidecar[otlp]")
+pytest.importorskip("opentelemetry.proto", reason="needs kvsidecar[otlp]")
 pytest.importorskip("torch", reason="the demo engine needs the agent extra")
 
 from tests.support.otlp_points import TO_PROM, rank_points, resource_attrs

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from kvsidecar.otlp.convert import RESOURCE_ATTRS
+from kvsidecar.otlp.convert import INSTANCE_ATTR, RESOURCE_ATTRS
 from kvsidecar.otlp.names import mapping
 
 TO_PROM = {m.name: m for m in mapping()}
@@ -23,7 +23,8 @@ def rank_points(reqs) -> dict[Key, float]:
     for req in reqs:
         for rm in req.resource_metrics:
             attrs = resource_attrs(rm)
-            res = {RES[k]: v for k, v in attrs.items() if k in RES}
+            # A rank's instance is a Resource attribute, not a label of its series.
+            res = {RES[k]: v for k, v in attrs.items() if k in RES and k != INSTANCE_ATTR}
             if "segment" not in res:
                 continue  # the daemon's own metrics: they change between push and scrape
             for sm in rm.scope_metrics:

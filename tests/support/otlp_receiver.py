@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gzip
 import http.server
 import socket
 import ssl
@@ -14,16 +15,21 @@ from opentelemetry.proto.collector.metrics.v1.metrics_service_pb2 import (
 
 def start_receiver(stall: threading.Event | None = None, tls: ssl.SSLContext | None = None):
     """(server, requests received); with ``stall``, each POST waits for it before answering;
-    with ``tls``, over HTTPS. ``server.headers`` holds each request's headers."""
+    with ``tls``, over HTTPS. ``server.headers`` holds each request's headers and
+    ``server.paths`` its path."""
     got: list[ExportMetricsServiceRequest] = []
     headers: list[dict[str, str]] = []
+    paths: list[str] = []
 
     class H(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
             body = self.rfile.read(int(self.headers["Content-Length"]))
             headers.append({k.lower(): v for k, v in self.headers.items()})
+            paths.append(self.path)
             if stall is not None:
                 stall.wait()
+            if self.headers.get("Content-Encoding") == "gzip":
+                body = gzip.decompress(body)
             got.append(ExportMetricsServiceRequest.FromString(body))
             self.send_response(200)
             self.send_header("Content-Length", "0")
@@ -34,6 +40,7 @@ def start_receiver(stall: threading.Event | None = None, tls: ssl.SSLContext | N
 
     srv = http.server.ThreadingHTTPServer(("127.0.0.1", 0), H)
     srv.headers = headers  # type: ignore[attr-defined]
+    srv.paths = paths  # type: ignore[attr-defined]
     if tls is not None:  # a failed handshake is an OSError at accept: the server goes on
         srv.socket = tls.wrap_socket(srv.socket, server_side=True)
     threading.Thread(target=srv.serve_forever, daemon=True).start()
