@@ -9,6 +9,7 @@ named at start, not at the first TLS handshake.
 
 from __future__ import annotations
 
+import logging
 import os
 import ssl
 from collections.abc import Callable, Iterable, Mapping
@@ -293,10 +294,18 @@ def build_push(
         from kvsidecar.otlp.push import Pusher
         from kvsidecar.otlp.transport import Sender
     except ImportError:
-        raise OtlpConfigError(
+        fix = (
             "the OTLP push needs the otlp extra: .venv/bin/pip install -e '.[otlp]' in a "
             "kvsidecar clone, or the wheel with [otlp] (docs/otlp.md)"
-        ) from None
+        )
+        if not opts.get("otlp_endpoint"):
+            # Asked for by an OTEL_* variable alone (often set for every container of a pod):
+            # a sidecar built without the extra serves on without the push, never exits.
+            logging.getLogger(__name__).warning(
+                "%s set, but %s; serving without the push", ", ".join(config.read), fix
+            )
+            return None
+        raise OtlpConfigError(fix) from None
     verify: bool | str = config.ca_file or True
     cert: Any = config.cert_file
     if config.cert_file and config.key_file:

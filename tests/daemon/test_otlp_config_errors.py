@@ -64,6 +64,42 @@ def test_without_the_extra_one_line_says_how_to_install_it(shm_dir: str) -> None
     assert ".venv/bin/pip install -e '.[otlp]'" in lines[0] and "docs/otlp.md" in lines[0]
 
 
+def test_an_otel_variable_alone_without_the_extra_serves_on(shm_dir: str) -> None:
+    """OTEL_EXPORTER_OTLP_ENDPOINT is often set for every container of a pod (an OTel
+    operator's injection): a sidecar built without the extra warns once and serves, never
+    exits (it exited 2: a CrashLoopBackOff beside the engine)."""
+    import os
+    import signal
+
+    from kvsidecar.bench.fleet import stop_daemon
+    from tests.support.scrape import fetch
+
+    blocked = "import sys; sys.modules['requests'] = None; import runpy; "
+    code = blocked + "sys.argv[0] = 'kvsidecar'; runpy.run_module('kvsidecar', run_name='__main__')"
+    port = free_port()
+    serve = ["serve", "--shm-dir", shm_dir, "--web.listen-address", f"127.0.0.1:{port}"]
+    env = {**os.environ, "OTEL_EXPORTER_OTLP_ENDPOINT": "http://collector:4318"}
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *serve], env=env, stderr=subprocess.PIPE, text=True
+    )
+    try:
+        from tests.support.procs import wait_for
+
+        def healthy() -> bool:
+            try:
+                return fetch(f"http://127.0.0.1:{port}/-/healthy")[0] == 200
+            except OSError:
+                return False
+
+        assert wait_for(healthy, 60), proc.poll()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        stop_daemon(proc)
+    err = proc.stderr.read() if proc.stderr else ""
+    warned = [ln for ln in err.splitlines() if "needs the otlp extra" in ln]
+    assert len(warned) == 1 and "OTEL_EXPORTER_OTLP_ENDPOINT" in warned[0], err
+
+
 @pytest.mark.parametrize(
     "flags, named",
     [
