@@ -194,19 +194,9 @@ class SegmentReader:
             path = self.path
         except InvalidName as e:
             return Refused(str(e))
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return NotFound(f"segment {path} not found: is the engine's agent running?")
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                return Refused(f"{path} is a symlink: refused (segments are never followed)")
-            if e.errno == errno.EACCES:
-                return Refused(
-                    f"permission denied on {path}: run the daemon in the engine's group "
-                    "(segments are 0640)"
-                )
-            return Refused(f"cannot open {path}: {e.strerror}")
+        fd = open_for_reading(path)
+        if isinstance(fd, ReadError):
+            return fd
         error = self._validate_and_map(fd, path)
         if error is not None:
             os.close(fd)
@@ -214,13 +204,9 @@ class SegmentReader:
 
     def _validate_and_map(self, fd: int, path: str) -> ReadError | None:
         st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return Refused(f"{path} is not a regular file (FIFO/device?): refused")
-        if self.allowed_uids is not None and st.st_uid not in self.allowed_uids:
-            return Refused(
-                f"{path} is owned by uid {st.st_uid}, not an allowed writer: "
-                "pass --allow-uid to trust it"
-            )
+        refused = file_refusal(st, path, self.allowed_uids)
+        if refused is not None:
+            return refused
         if st.st_size == 0:
             return NotReady(f"{path} is empty (a writer died while creating it?)")
         if st.st_size < layout.PAGE or st.st_size > layout.MAX_SEGMENT_SIZE:
@@ -358,6 +344,37 @@ class SegmentReader:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def open_for_reading(path: str) -> int | ReadError:
+    """``O_RDONLY|O_NOFOLLOW|O_NONBLOCK``: the descriptor, or why not (one line)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return NotFound(f"segment {path} not found: is the engine's agent running?")
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return Refused(f"{path} is a symlink: refused (segments are never followed)")
+        if e.errno == errno.EACCES:
+            return Refused(
+                f"permission denied on {path}: run the daemon in the engine's group "
+                "(segments are 0640)"
+            )
+        return Refused(f"cannot open {path}: {e.strerror}")
+
+
+def file_refusal(
+    st: os.stat_result, path: str, allowed_uids: frozenset[int] | None
+) -> ReadError | None:
+    """A file that is not regular, or whose owner is not allowed: refused, with why."""
+    if not stat.S_ISREG(st.st_mode):
+        return Refused(f"{path} is not a regular file (FIFO/device?): refused")
+    if allowed_uids is not None and st.st_uid not in allowed_uids:
+        return Refused(
+            f"{path} is owned by uid {st.st_uid}, not an allowed writer: "
+            "pass --allow-uid to trust it"
+        )
+    return None
 
 
 def array_len(raw: bytes | memoryview) -> int | None:
