@@ -119,6 +119,15 @@ GROUP = _s(
     "group (name or gid) given to the segments and the default directory",
     AGENT,
 )
+KV_EVENTS = _s(
+    "KV_EVENTS",
+    "bool",
+    False,
+    "`1`: the agent also records the prefix cache's changes in a KV-event segment "
+    "(`kvevents.<...>`, beside the snapshot) that `serve --kv-events.port` publishes as "
+    "vLLM's KV events (docs/kv-events.md)",
+    AGENT,
+)
 
 # -- the daemon (`kvsidecar serve`) and the readers (`dump`, `ls`, `selfcheck`) -----------
 PREFIX = _s("PREFIX", "str", DEFAULT_PREFIX, "discovery prefix", DAEMON, CLI, flag="--prefix")
