@@ -21,7 +21,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 $(RUN_STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	@test -x $(BIN)/python || { echo "make run: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "make run: installing kvsidecar and torch (CPU) into $(VENV); the first time takes a few minutes"
-	$(BIN)/pip install --disable-pip-version-check -c constraints.txt -e '.[agent]' numpy
+	$(BIN)/pip install --disable-pip-version-check -c constraints.txt -e '.[agent,kvevents]' numpy
 	touch $(RUN_STAMP)
 
 # Just the environment: .venv/bin/kvsidecar and .venv/bin/python, as the docs use them.
