@@ -376,11 +376,9 @@ class RankPublisher:
                 if b is None or b.version != r.version:  # re-stored since: data gone
                     flush()
                     continue
-                if not (r.flags & kvl.REC_FIRST or not run or _continues(run[-1], b)):
-                    run.append(b)
-                else:
+                if not (run and not r.flags & kvl.REC_FIRST and _continues(run[-1], b)):
                     flush()
-                    run.append(b)
+                run.append(b)
                 state.announce(b)
             elif r.kind == kvl.KIND_REMOVED:
                 flush()
