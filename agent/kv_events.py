@@ -4,7 +4,7 @@ A pool (our `KVBlockPool`, an engine hook) calls `stored` / `removed` / `cleared
 its prefix cache changes; each call writes the KV-event segment
 (`kvsidecar.protocol.kv_events_writer`: one C call, no system call, no lock, no
 allocation that grows, never waiting on a reader). The daemon publishes vLLM's ZMQ wire
-from that segment (`kvsidecar serve --kv-events.port`, docs/kv-events.md).
+from that segment (`kvsidecar serve --kv-events.endpoint`, docs/kv-events.md).
 
 Never raises into the engine: a failed record (a block id past the size given at start,
 a bad argument) logs once and closes the segment, so the daemon tells every consumer to

@@ -124,7 +124,7 @@ KV_EVENTS = _s(
     "bool",
     False,
     "`1`: the agent also records the prefix cache's changes in a KV-event segment "
-    "(`kvevents.<...>`, beside the snapshot) that `serve --kv-events.port` publishes as "
+    "(`kvevents.<...>`, beside the snapshot) that `serve --kv-events.endpoint` publishes as "
     "vLLM's KV events (docs/kv-events.md)",
     AGENT,
 )
