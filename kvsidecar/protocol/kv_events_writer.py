@@ -59,8 +59,12 @@ class KVEventsWriter(SegmentFile):
         self.total_size = geometry.total_size
         self.head = 0  # the last record written (only this writer moves it)
         self.epoch = 0
-        # Stores per slot so far: 8 bytes per block, allocated once.
+        # Per slot, allocated once (24 bytes): stores so far, the hash it caches and
+        # 1 + the epoch it was cached in (0: not cached), so a store over a cached slot
+        # first records its removal (readers rely on it: segment-format.md section 9).
         self._versions = array("Q", bytes(8 * n_slots))
+        self._hashes = array("Q", bytes(8 * n_slots))
+        self._live = array("Q", bytes(8 * n_slots))
         self._slot_buf = bytearray(geometry.slot_stride)
         self._rec_buf = bytearray(kvl.RECORD_SIZE)
         self._names: dict[str, int] = {}
@@ -113,6 +117,8 @@ class KVEventsWriter(SegmentFile):
         n = len(token_ids)
         if n > self.block_size:
             raise ValueError(f"{n} token ids > block_size {self.block_size}")
+        if self._live[slot] == self.epoch + 1:
+            self.removed(slot, self._hashes[slot], group_idx=group_idx)
         version = self._versions[slot] + 1
         flags = kvl.FLAG_CACHED
         parent = 0
@@ -167,6 +173,8 @@ class KVEventsWriter(SegmentFile):
             kvl.OFF_HEAD,
         )
         self._versions[slot] = version
+        self._hashes[slot] = block_hash
+        self._live[slot] = self.epoch + 1
         return self.head
 
     def removed(self, slot: int, block_hash: int, *, group_idx: int = 0) -> int:
@@ -198,6 +206,7 @@ class KVEventsWriter(SegmentFile):
             self._rec_buf,
             kvl.OFF_HEAD,
         )
+        self._live[slot] = 0
         return self.head
 
     def cleared(self) -> int:
