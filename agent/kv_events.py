@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Sequence
+from typing import Any
 
 from kvsidecar.protocol.kv_events_layout import events_name
 from kvsidecar.protocol.kv_events_writer import KVEventsWriter
@@ -67,45 +68,25 @@ class KVEventsRecorder:
         block_hash: int,
         parent_hash: int | None,
         token_ids: Sequence[int],
-        *,
-        first: bool = True,
-        group_idx: int = 0,
-        medium: str | None = "GPU",
-        lora_id: int | None = None,
-        lora_name: str | None = None,
+        **fields: Any,
     ) -> None:
-        w = self._w
-        if w is not None:
-            try:
-                w.stored(
-                    slot,
-                    block_hash,
-                    parent_hash,
-                    token_ids,
-                    first=first,
-                    group_idx=group_idx,
-                    medium=medium,
-                    lora_id=lora_id,
-                    lora_name=lora_name,
-                )
-            except Exception as e:
-                self._fail("stored", e)
+        """Block ``slot`` now caches ``block_hash``; ``fields``: `KVEventsWriter.stored`'s
+        (first, group_idx, medium, lora_id, lora_name)."""
+        self._call("stored", slot, block_hash, parent_hash, token_ids, **fields)
 
     def removed(self, slot: int, block_hash: int, *, group_idx: int = 0) -> None:
-        w = self._w
-        if w is not None:
-            try:
-                w.removed(slot, block_hash, group_idx=group_idx)
-            except Exception as e:
-                self._fail("removed", e)
+        self._call("removed", slot, block_hash, group_idx=group_idx)
 
     def cleared(self) -> None:
+        self._call("cleared")
+
+    def _call(self, what: str, *args: Any, **kwargs: Any) -> None:
         w = self._w
         if w is not None:
             try:
-                w.cleared()
+                getattr(w, what)(*args, **kwargs)
             except Exception as e:
-                self._fail("cleared", e)
+                self._fail(what, e)
 
     def _fail(self, what: str, e: Exception) -> None:
         self.error = f"{what}: {type(e).__name__}: {e}"

@@ -311,6 +311,19 @@ LATCH_FN int latch_read(const uint8_t *base, uint32_t off, uint32_t stride, uint
 
 #ifndef KVSIDECAR_LATCH_ONLY
 
+/* In a Python wrapper holding the buffer `seg`: from here on, a SIGBUS (the segment's
+ * pages gone under us) releases seg and raises OSError instead of killing the process.
+ * A macro: sigsetjmp must run in the wrapper's own frame. */
+#define GUARD_SEG_OR_RAISE()                                                                  \
+    sigjmp_buf jb;                                                                            \
+    if (sigsetjmp(jb, 0) != 0) {                                                              \
+        guard_clear();                                                                        \
+        PyBuffer_Release(&seg);                                                               \
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)"); \
+        return NULL;                                                                          \
+    }                                                                                         \
+    guard_set(&jb)
+
 /* record_error(segment, code): count a failed publish in the header (not the payload),
  * so a reader sees it even when no snapshot could ever be published. Failure path only. */
 static PyObject *py_record_error(PyObject *self, PyObject *args) {
@@ -324,14 +337,7 @@ static PyObject *py_record_error(PyObject *self, PyObject *args) {
         return NULL;
     }
     uint8_t *base = seg.buf;
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_clear();
-        PyBuffer_Release(&seg);
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        return NULL;
-    }
-    guard_set(&jb);
+    GUARD_SEG_OR_RAISE();
     /* Aligned single stores: a reader never sees a torn counter. One writer thread, so a
      * relaxed load + store is an increment. */
     uint64_t *n = (uint64_t *)(base + OFF_PUBLISH_ERRORS);
@@ -441,14 +447,7 @@ static PyObject *py_kv_store_u64(PyObject *self, PyObject *args) {
         PyErr_SetString(PyExc_ValueError, "kv_store_u64: offset out of the segment");
         return NULL;
     }
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_clear();
-        PyBuffer_Release(&seg);
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        return NULL;
-    }
-    guard_set(&jb);
+    GUARD_SEG_OR_RAISE();
     __atomic_thread_fence(__ATOMIC_RELEASE);
     __atomic_store_n((uint64_t *)((uint8_t *)seg.buf + off), (uint64_t)v, __ATOMIC_RELAXED);
     guard_clear();
@@ -469,14 +468,7 @@ static PyObject *py_kv_load_u64(PyObject *self, PyObject *args) {
     }
     install_guard();
     uint64_t v = 0;
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_clear();
-        PyBuffer_Release(&seg);
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        return NULL;
-    }
-    guard_set(&jb);
+    GUARD_SEG_OR_RAISE();
     v = __atomic_load_n((const uint64_t *)((const uint8_t *)seg.buf + off), __ATOMIC_ACQUIRE);
     guard_clear();
     PyBuffer_Release(&seg);
@@ -708,14 +700,7 @@ static PyObject *py_heartbeat(PyObject *self, PyObject *arg) {
         return NULL;
     }
     uint8_t *base = seg.buf;
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_clear();
-        PyBuffer_Release(&seg);
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        return NULL;
-    }
-    guard_set(&jb);
+    GUARD_SEG_OR_RAISE();
     __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
                      __ATOMIC_RELAXED);
     __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),

@@ -15,22 +15,20 @@ from __future__ import annotations
 
 import mmap
 import os
-import sys
 from typing import NamedTuple
 
-from kvsidecar.protocol import _seqlock, layout, liveness
+from kvsidecar.protocol import _seqlock, liveness
 from kvsidecar.protocol import kv_events_layout as kvl
-from kvsidecar.protocol.names import DEFAULT_SHM_DIR, InvalidName, segment_path
+from kvsidecar.protocol.names import DEFAULT_SHM_DIR, InvalidName
 from kvsidecar.protocol.reader import (
     Corrupt,
+    MappedFile,
     NotReady,
     ReadError,
     VersionMismatch,
-    file_refusal,
-    open_for_reading,
+    open_mapped,
 )
 
-_MMAP_KWARGS: dict[str, bool] = {"trackfd": False} if sys.version_info >= (3, 13) else {}
 SLOT_RETRIES = 64
 SCAN_CHUNK = 4096
 
@@ -69,7 +67,7 @@ class Block(NamedTuple):
     lora_name: int  # index into the name table (KVEventsReader.lora_name), 0 = none
 
 
-class KVEventsReader:
+class KVEventsReader(MappedFile):
     """A read-only attachment to one KV-event segment (one incarnation of it)."""
 
     def __init__(
@@ -92,10 +90,6 @@ class KVEventsReader:
         self._names: dict[int, str | None] = {0: None}
 
     @property
-    def path(self) -> str:
-        return self._path or segment_path(self.name, self.shm_dir)
-
-    @property
     def incarnation(self) -> int:
         return self.header.incarnation if self.header is not None else 0
 
@@ -106,36 +100,19 @@ class KVEventsReader:
             path = self.path
         except InvalidName as e:
             return ReadError(str(e))
-        fd = open_for_reading(path)
-        if isinstance(fd, ReadError):
-            return fd
-        error = self._validate_and_map(fd, path)
-        if error is not None:
-            os.close(fd)
-        return error
-
-    def _validate_and_map(self, fd: int, path: str) -> ReadError | None:
-        st = os.fstat(fd)
-        refused = file_refusal(st, path, self.allowed_uids)
-        if refused is not None:
-            return refused
-        if st.st_size == 0:
-            return NotReady(f"{path} is empty (a writer died while creating it?)")
-        if st.st_size < layout.PAGE or st.st_size > kvl.MAX_TOTAL_SIZE:
-            return Corrupt(f"{path} has an impossible size {st.st_size}: not a KV-event segment")
-        try:
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, access=mmap.ACCESS_READ, **_MMAP_KWARGS)
-        except (OSError, ValueError) as e:
-            return ReadError(f"cannot map {path}: {e}")
+        opened = open_mapped(path, self.allowed_uids, kvl.MAX_TOTAL_SIZE, "KV-event segment")
+        if isinstance(opened, ReadError):
+            return opened
+        fd, mm, st = opened
         raw = _seqlock.copy_range(mm, 0, kvl.HEADER_LEN)
-        error = None
         if raw is None:
-            error = Corrupt(f"{path} was truncated while attaching")
+            error: ReadError | None = Corrupt(f"{path} was truncated while attaching")
         else:
             header = kvl.Header(raw)
             error = check_header(header, st.st_size, path)
         if error is not None:
             mm.close()
+            os.close(fd)
             return error
         self.fd, self.mm, self.inode = fd, mm, st.st_ino
         self.header, self.geometry = header, header.geometry()
@@ -222,28 +199,6 @@ class KVEventsReader:
             return liveness.write_locked(self.fd)
         except OSError:
             return False
-
-    def replaced(self) -> bool:
-        """True if the name now points to another file (restart) or to nothing."""
-        try:
-            st = os.stat(self.path, follow_symlinks=False)
-        except (OSError, InvalidName):
-            return True
-        return st.st_ino != self.inode
-
-    def close(self) -> None:
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-
-    def __enter__(self) -> KVEventsReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
 
     # -- helpers -------------------------------------------------------------------
 
