@@ -48,6 +48,7 @@ import weakref
 from collections.abc import Mapping
 
 from kvsidecar import settings
+from kvsidecar.agent import faults
 from kvsidecar.agent.adapters import PoolSource
 from kvsidecar.agent.heartbeat import IdleHeartbeat
 from kvsidecar.agent.kv_events import KVEventsRecorder
@@ -221,6 +222,7 @@ class KVSidecarAgent:
         self.enabled = False
         self.error: str | None = None
         self._writer: SegmentWriter | None = None
+        self._faulted_writer: SegmentWriter | None = None  # held after fault(), for close()
         self._sources: list[PoolSource] = []
         self._renamed: list[tuple[int, str, str]] = []  # (pool index, alias, own name)
         self._untracked: list[int] = []  # pools that report counts but not request ids
@@ -314,6 +316,7 @@ class KVSidecarAgent:
         except Exception as e:  # never into the engine: disable and say why, once
             self._disable(str(e))
             return
+        faults.track(self)
         _warn_if_open(self.shm_dir)
 
     def register_pool(self, source: PoolSource) -> bool:
@@ -559,8 +562,32 @@ class KVSidecarAgent:
 
     # -- teardown ---------------------------------------------------------------
 
+    def fault(self, reason: str) -> bool:
+        """The engine hit a fatal error: mark the segment FAULTED, so readers read it dead at
+        once and no later `close()` or supervisor calls it closed cleanly; publish no more.
+        For the engine's own fatal-error path (`kvsidecar.agent.faults`). Whether it was
+        marked now; never raises."""
+        writer = self._writer
+        if writer is None:
+            return False
+        try:
+            if self._heartbeat is not None:
+                self._heartbeat.stop(join=False)  # from an error path: wait for nothing
+            writer.mark_faulted()
+            self._writer, self._faulted_writer = None, writer  # close() still releases it
+            log.warning(
+                "kvsidecar: segment %s marked FAULTED (the engine reported a fatal error: %s)",
+                self.segment_name,
+                shorten(reason, 300),
+            )
+            return True
+        except Exception as e:
+            self._log_once("fault", f"kvsidecar could not mark its segment faulted: {e}")
+            return False
+
     def close(self) -> None:
-        """Mark the segment closed and unlink it. Idempotent; never raises."""
+        """Mark the segment closed and unlink it (a faulted one is only released: it stays
+        FAULTED). Idempotent; never raises."""
         if self._heartbeat is not None:
             self._heartbeat.stop()  # joined: no agent thread outlives close()
         for source, tracked in zip(self._sources, self._tracked):
@@ -573,7 +600,8 @@ class KVSidecarAgent:
         events, self.kv_events = self.kv_events, None
         if events is not None:
             events.close()
-        writer, self._writer = self._writer, None
+        writer = self._writer or self._faulted_writer
+        self._writer = self._faulted_writer = None
         if writer is not None:
             try:
                 writer.close()

@@ -790,9 +790,14 @@ class KVBlockPool:
 
     def finish(self, req_id: str, connectors: Iterable[str] = ()) -> bool:
         """Finish a request: free its blocks, or defer the whole request until every named
-        connector (e.g. "pd", "offload") calls `release`. Returns True if deferred."""
+        connector (e.g. "pd", "offload") calls `release`. Returns True if deferred.
+
+        ``connectors``: names, or one name as a string; none (``()``) frees at once. An
+        empty, blank or non-string name raises ValueError before anything changes: it would
+        hold the blocks for a connector nobody can name in `release` (and freeing them
+        instead could hand out KV that a transfer is still reading)."""
         req = self._live(req_id)
-        pending = {connectors} if isinstance(connectors, str) else set(connectors)
+        pending = _connector_names(connectors)
         if pending and not req.table:
             # Holds no block of this pool: deferred for its connectors, but not counted
             # (schema.md: deferral fields count requests holding blocks of the pool).
@@ -831,7 +836,12 @@ class KVBlockPool:
         req = self._requests[req_id]
         if req.pending is None:
             raise ValueError(f"request {req_id!r} is not deferred")
-        req.pending.remove(connector)  # KeyError: not pending on this connector
+        if connector not in req.pending:
+            raise KeyError(
+                f"request {req_id!r} is not pending on connector {connector!r} "
+                f"(pending: {sorted(req.pending)})"
+            )
+        req.pending.remove(connector)
         if req.pending:
             return False
         self._pending -= 1
@@ -922,6 +932,19 @@ class KVBlockPool:
     def storage_rows(self) -> int:
         """Rows of K/V storage, the null block included."""
         return self._rows
+
+
+def _connector_names(connectors: Iterable[str]) -> set[str]:
+    """The connector names a deferral waits for; ValueError for an empty, blank or
+    non-string one (a string is one name, so ``""`` is an empty name, not "none")."""
+    names = [connectors] if isinstance(connectors, str) else list(connectors)
+    for name in names:
+        if not isinstance(name, str) or not name.strip():
+            raise ValueError(
+                f"connector name {name!r} is not a name: give each connector a non-empty "
+                'name (e.g. "pd"), or no connectors (()) to free the blocks at once'
+            )
+    return set(names)
 
 
 # ---------------------------------------------------------------------- device memory

@@ -131,26 +131,48 @@ class SGLangPoolSource:
         return s
 
 
+def _resolved_args(args: Any) -> dict[str, Any]:
+    """SGLang's resolved server arguments. SGLang 0.5.23 keeps the record's fields as given
+    (``served_model_name`` stays None without ``--served-model-name``) and publishes what
+    its resolution decided (that: the model path) through ``resolved_dict()``, which its
+    config bags and so its own metrics labels read. Older SGLang resolved in place."""
+    try:
+        resolved = args.resolved_dict()
+    except Exception:
+        resolved = None
+    return resolved if isinstance(resolved, dict) else {}
+
+
 def _identity(scheduler: Any) -> dict[str, Any]:
-    """The agent's identity from an SGLang Scheduler (its server_args and ranks)."""
+    """The agent's identity from an SGLang Scheduler (its resolved server_args and ranks)."""
     args = scheduler.server_args
-    mode = str(getattr(args, "disaggregation_mode", "null") or "null")
+    resolved = _resolved_args(args)
+
+    def arg(name: str, default: Any = None) -> Any:
+        value = resolved.get(name)
+        return value if value is not None else getattr(args, name, default)
+
+    mode = str(arg("disaggregation_mode", "null") or "null")
     try:
         from sglang.version import __version__ as version
     except Exception:
         version = None
+    # SGLang's model_name label: the served model name, else the model path (its own
+    # default, handle_missing_default_values), never the string "None".
+    model = arg("served_model_name") or arg("model_path")
+    device = arg("device")
     return {
         "engine": "sglang",
-        "model_name": str(args.served_model_name),
+        "model_name": str(model) if model else "",
         "engine_version": version,
         "role": None if mode == "null" else mode,
         "tp_rank": int(getattr(scheduler, "tp_rank", 0) or 0),
-        "tp_size": int(getattr(args, "tp_size", 1) or 1),
+        "tp_size": int(arg("tp_size", 1) or 1),
         "pp_rank": int(getattr(scheduler, "pp_rank", 0) or 0),
-        "pp_size": int(getattr(args, "pp_size", 1) or 1),
+        "pp_size": int(arg("pp_size", 1) or 1),
         "dp_rank": int(getattr(scheduler, "dp_rank", 0) or 0),
-        "dp_size": int(getattr(args, "dp_size", 1) or 1),
-        "device": str(getattr(args, "device", "") or "") or None,
+        "dp_size": int(arg("dp_size", 1) or 1),
+        "device": str(device).split(":")[0] if device else None,
     }
 
 
@@ -196,8 +218,11 @@ class SGLangSidecar:
         ``mode="prefill_compute"`` less SWA replays). Queried = matched + computed. Only
         extend (prefill) batches count, as SGLang reports only those: after its prefill a
         batch object lives on as the running decode batch, ``prefill_stats`` still set.
-        Chunked prefill counts each chunk with the chunks before it as its matched prefix,
-        and a retracted request counts again when readmitted: SGLang's units, kept."""
+        A chunked prefill counts the request's radix-cache match once, with its first
+        chunk; each later chunk counts no hit and its own tokens as computed (SGLang's
+        ``PrefillAdder.add_chunked_req`` charges a prefix of 0), so a request's query total
+        is its prompt, chunked or not. A retracted request counts again when readmitted:
+        SGLang's units, kept."""
         stats = getattr(batch, "prefill_stats", None)
         if stats is None or not batch.forward_mode.is_extend():
             return

@@ -10,6 +10,7 @@ interval.
 
 from __future__ import annotations
 
+import collections
 import itertools
 import threading
 import time
@@ -34,7 +35,6 @@ from kvsidecar.protocol.schema import to_dict
 from kvsidecar.web.stats import HTTPStats
 
 _JSON = msgspec.json.Encoder()
-_READY_LIST_MAX = 64  # a probe answer stays short whatever the number of targets
 REFUSED_LIST_MAX = 64  # refused files named in /api/v1/snapshots, whatever others create
 
 
@@ -91,6 +91,7 @@ class Daemon:
                 c(registry=self._self_registry)
             self.registry.register(_Chain(self._self_registry))
         self._cache: dict[str, tuple[int, bytes]] = {}
+        self._ready_cache: tuple[tuple, tuple[bool, str]] | None = None
         # The gateway's PollServer, when --gateway.listen-address is set: its counts only.
         self.gateway_server: Any = None
         # The OTLP Pusher, when --otlp.endpoint is set: its drop counts only.
@@ -123,12 +124,26 @@ class Daemon:
         )
 
     def ready(self) -> tuple[bool, str]:
+        """(ready, reason) for ``/-/ready``, which answers anyone: counts by state, never a
+        segment's name (names are on the authenticated ``/api/v1/snapshots`` and in
+        `kvsidecar ls`; 256 long names made a 12 KB probe answer), and worked out once
+        per poll cycle, so a stream of probes costs a lookup each (it kept the check busy
+        for half a core and /metrics waited behind it)."""
+        t = self.targets
+        key = (t.version, t.polls_total, t.refused_count, t.waiting, t.discovery_error)
+        cached = self._ready_cache
+        if cached is not None and cached[0] == key:
+            return cached[1]
+        verdict = self._ready()
+        self._ready_cache = (key, verdict)
+        return verdict
+
+    def _ready(self) -> tuple[bool, str]:
         if self.targets.polls_total == 0:
             return False, "not ready: no poll completed yet"
         views = self.targets.views()
-        summary = ", ".join(f"{v.name}={v.state}" for v in views[:_READY_LIST_MAX])
-        if len(views) > _READY_LIST_MAX:
-            summary += f", ... ({len(views)} segments)"
+        by_state = collections.Counter(v.state for v in views)
+        summary = ", ".join(f"{n} {state}" for state, n in sorted(by_state.items()))
         refused = self.targets.refused_by_reason()
         if refused:
             # The likeliest first-install failures (the daemon not in the engine's group:

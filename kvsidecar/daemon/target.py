@@ -35,6 +35,7 @@ from kvsidecar.protocol.reader import (
     Reading,
     SegmentReader,
     dead_message,
+    faulted_message,
     stale_message,
 )
 from kvsidecar.protocol.schema import Snapshot
@@ -124,10 +125,18 @@ CLOSED_KIND = "closed"  # error_kind of a target whose writer closed it cleanly
 PUBLISH_FAILING_KIND = "publish_failing"  # error_kind of a stale target failing to publish
 
 
+FAULTED_KIND = "faulted"  # error_kind of a target whose engine reported a fatal error
+
+
+def _state_byte(reader: SegmentReader) -> int:
+    """The mapped segment's state byte; a guarded copy, never a SIGBUS."""
+    raw = _seqlock.copy_range(reader.mm, layout.OFF_STATE, 1) if reader.mm else None
+    return raw[0] if raw else layout.STATE_INIT
+
+
 def _closed(reader: SegmentReader) -> bool:
-    """The mapped (old) segment's state byte says CLOSED; a guarded copy, never a SIGBUS."""
-    raw = _seqlock.copy_range(reader.mm, layout.OFF_STATE, 1)
-    return raw is not None and raw[0] == layout.STATE_CLOSED
+    """The mapped (old) segment's state byte says CLOSED."""
+    return _state_byte(reader) == layout.STATE_CLOSED
 
 
 class Target:
@@ -300,7 +309,12 @@ class Target:
         self._incarnation = result.incarnation
         kind = ""
         still = self._still_for(result, now)  # dead ones too: their age is on our clock
-        if not reader.writer_alive():
+        if _state_byte(reader) == layout.STATE_FAULTED:
+            # The engine's own fatal-error path said so: dead now, though its process may
+            # still hold the lock while it is torn down, and dead after, whoever stops it.
+            state, kind = DEAD, FAULTED_KIND
+            error = faulted_message(self.name, reader.writer_alive())
+        elif not reader.writer_alive():
             closed = _closed(reader)
             state, error = DEAD, dead_message(self.name, closed)
             kind = CLOSED_KIND if closed else ""

@@ -12,7 +12,7 @@ All integers little-endian. Offsets are from the start of the file.
       8  u16 layout_major  a reader refuses a different major
      10  u16 layout_minor  a reader accepts a newer minor (fields only appended)
      12  u16 header_len    256
-     14  u8  state         0 INIT, 1 READY, 2 CLOSED
+     14  u8  state         0 INIT, 1 READY, 2 CLOSED, 3 FAULTED (v1.2)
      15  u8  n_slots       2
      16  u64 total_size    file size in bytes, a multiple of 4096
      24  u64 incarnation   random, non-zero, new for every writer start
@@ -53,7 +53,9 @@ MAGIC = b"KVSCSEG1"
 LAYOUT_MAJOR = 1
 # 1: publish-error fields at 208..231, liveness by an OFD write lock (a v1.0 writer only
 # holds flock, which a reader can also take, so readers still flock-probe minor 0).
-LAYOUT_MINOR = 1
+# 2: state 3 FAULTED (the engine reported a fatal error). A v1.1 reader reads it as any
+# state but CLOSED: dead once the writer is gone, which is what FAULTED means.
+LAYOUT_MINOR = 2
 MINOR_OFD_LIVENESS = 1
 HEADER_LEN = 256
 PAGE = 4096
@@ -106,8 +108,16 @@ SLOT_HEADER_LEN = 16  # u64 slot_seq, u32 payload_len, u32 payload_crc32
 
 STATE_INIT = 0
 STATE_READY = 1
-STATE_CLOSED = 2
-STATE_NAMES = {STATE_INIT: "init", STATE_READY: "ready", STATE_CLOSED: "closed"}
+STATE_CLOSED = 2  # the engine completed a normal shutdown: "closed cleanly"
+# The engine hit a fatal error: dead at once, whatever the lock says, and never CLOSED
+# after (a supervisor's stop that follows a fault must not read as a routine one).
+STATE_FAULTED = 3
+STATE_NAMES = {
+    STATE_INIT: "init",
+    STATE_READY: "ready",
+    STATE_CLOSED: "closed",
+    STATE_FAULTED: "faulted",
+}
 
 DEFAULT_SLOT_CAPACITY = 16 * 1024  # ~30 pools; a payload for 1 runtime + 4 pools is ~0.6 KB
 MAX_SEGMENT_SIZE = 16 * 1024 * 1024  # readers refuse anything bigger (absurd-size guard)

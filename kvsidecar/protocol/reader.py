@@ -114,6 +114,13 @@ class WriterDead(_WithLast):
     kind = "writer_dead"
 
 
+class Faulted(WriterDead):
+    """The writer marked the segment FAULTED: the engine hit a fatal error. Dead whether or
+    not its process still holds the lock (it is being torn down, and publishes no more)."""
+
+    kind = "faulted"
+
+
 class Stale(_WithLast):
     """The writer is alive but its heartbeat is older than allowed (hung, SIGSTOPped)."""
 
@@ -604,8 +611,11 @@ def read_segment(
             return error
         result = reader.read()
         last = result if isinstance(result, Reading) else None
+        state = _state(reader)
+        if state == layout.STATE_FAULTED:
+            return Faulted(faulted_message(name, reader.writer_alive()), last)
         if not reader.writer_alive():
-            return WriterDead(dead_message(name, _state(reader) == layout.STATE_CLOSED), last)
+            return WriterDead(dead_message(name, state == layout.STATE_CLOSED), last)
         if last is not None and stale_after is not None and last.age_seconds() > stale_after:
             return Stale(stale_message(name, last, last.age_seconds(), stale_after), last)
         return result
@@ -617,6 +627,12 @@ def dead_message(name: str, closed: bool) -> str:
     if closed:
         return f"segment {name}: closed cleanly by its writer (engine shut down)"
     return f"segment {name}: writer is gone (no process holds its lock)"
+
+
+def faulted_message(name: str, alive: bool) -> str:
+    """The state byte says FAULTED: the engine's own fatal-error path marked it."""
+    tail = "its process is still being torn down" if alive else "its writer is gone"
+    return f"segment {name}: the engine reported a fatal error (state FAULTED; {tail})"
 
 
 def stale_message(name: str, reading: Reading, age: float, stale_after: float) -> str:

@@ -123,6 +123,7 @@ class SegmentFile:
         self._dir_fd = -1
         self._mm: mmap.mmap | None = None
         self._closed = False
+        self._faulted = False
 
     def _after_create(self) -> None:
         # A truncation of our file by another process becomes an OSError, not a SIGBUS.
@@ -231,8 +232,32 @@ class SegmentFile:
 
     # -- teardown ---------------------------------------------------------------
 
+    def mark_faulted(self) -> None:
+        """Say the engine hit a fatal error: readers read the segment dead from now on
+        (``error_kind`` ``faulted``), and `close()` keeps it so (no CLOSED, no unlink): a
+        fault must never read as a clean stop, whoever stops the engine afterwards. A
+        segment already CLOSED (by a supervisor stopping the engine) stays CLOSED. Never
+        raises."""
+        mm = self._mm
+        if mm is None:
+            return
+        try:
+            if os.fstat(self._fd).st_size < layout.HEADER_LEN:  # never touch truncated pages
+                return
+            if mm[layout.OFF_STATE] == layout.STATE_CLOSED:
+                return  # a supervisor closed it for a routine stop (close_for_writers)
+            mm[layout.OFF_STATE] = layout.STATE_FAULTED
+            self._faulted = True
+        except (OSError, ValueError):
+            pass
+
+    @property
+    def faulted(self) -> bool:
+        return self._faulted
+
     def close(self, unlink: bool = True) -> None:
-        """Mark CLOSED, unlink (if the name is still ours) and release the lock."""
+        """Mark CLOSED, unlink (if the name is still ours) and release the lock; a faulted
+        segment is only released (it stays FAULTED and in place: readers read it dead)."""
         if self._closed:
             return
         self._closed = True
@@ -241,11 +266,14 @@ class SegmentFile:
         if mm is None:
             self._close_dir()
             return
-        try:
-            if os.fstat(fd).st_size >= layout.HEADER_LEN:  # never touch truncated pages
-                mm[layout.OFF_STATE] = layout.STATE_CLOSED
-        except OSError:
-            pass
+        if self._faulted:
+            unlink = False
+        else:
+            try:
+                if os.fstat(fd).st_size >= layout.HEADER_LEN:  # never touch truncated pages
+                    mm[layout.OFF_STATE] = layout.STATE_CLOSED
+            except OSError:
+                pass
         if unlink and os.getpid() == self._pid:
             try:
                 lock = self._install_lock()  # so a starting successor never loses its file
@@ -501,8 +529,9 @@ def _close_for(
         raw = os.pread(fd, layout.HEADER_LEN, 0)
         if len(raw) != layout.HEADER_LEN or raw[:8] not in _MAGICS:
             return False
-        if layout.Header(raw).writer_pid not in pids:  # writer_pid: the same offset in both
-            return False
+        header = layout.Header(raw)  # writer_pid, state: the same offsets in both
+        if header.writer_pid not in pids or header.state == layout.STATE_FAULTED:
+            return False  # a faulted engine stopped by its supervisor still reads dead
         if liveness.write_locked(fd) == dead_only:  # dead_only: a live writer is left alone;
             return False  # else a dead one is (it crashed: never "closed cleanly" for it)
         try:
@@ -513,6 +542,8 @@ def _close_for(
             same = os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_ino == st.st_ino
             if not same or liveness.write_locked(fd) == dead_only:
                 return False
+            if os.pread(fd, 1, layout.OFF_STATE) == bytes([layout.STATE_FAULTED]):
+                return False  # faulted since the first look
             os.pwrite(fd, bytes([layout.STATE_CLOSED]), layout.OFF_STATE)  # readers' maps see it
             os.unlink(name, dir_fd=dir_fd)
             return True

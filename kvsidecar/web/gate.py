@@ -463,6 +463,11 @@ class Gate:
     def _plain_readable(self, parked: _Parked, data: bytes) -> None:
         end = _head_end(data)
         if end < 0:
+            if _hopeless(data):
+                close, head_only = True, False
+                body = b"not an HTTP/1.x request head"
+                self._probe_answered(parked, "other", 400, body, close, head_only, (1, 1))
+                return
             if len(data) > MAX_HEAD_BYTES or _shut_down(parked.sock):
                 # Too long, or all the client will send: the front answers it with its
                 # own rules (414/431/400).
@@ -684,9 +689,33 @@ def _shut_down(sock: socket.socket) -> bool:
 
 
 def _head_end(data: bytes) -> int:
-    """Where the head ends (after its empty line), or -1 if it has not yet."""
-    ends = [i + n for i, n in ((data.find(b"\r\n\r\n"), 4), (data.find(b"\n\n"), 2)) if i >= 0]
+    """Where the head ends (after its empty line), or -1 if it has not yet. A line may end
+    in CRLF or a bare LF (RFC 9112 2.2), so the empty line is LF CRLF or LF LF after the
+    last field: "\\r\\n\\r\\n" is the first of these seen one byte late; a head ending in
+    LF CRLF waited for its deadline when only CRLF CRLF and LF LF were looked for."""
+    ends = [i + n for i, n in ((data.find(b"\n\r\n"), 3), (data.find(b"\n\n"), 2)) if i >= 0]
     return min(ends) if ends else -1
+
+
+_METHOD_BYTES = frozenset(
+    b"!#$%&'*+-.^_`|~0123456789ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz"
+)
+_NEVER_IN_A_HEAD = frozenset(range(0x20)) - {0x09, 0x0A, 0x0D} | {0x7F}
+
+
+def _hopeless(data: bytes) -> bool:
+    """The bytes so far can begin no request head, whatever follows: a method that is not a
+    token (a TLS ClientHello sent to the plain port starts 0x16), a request line that ends
+    before its first space, or a control byte no head may hold (`parse_head` would refuse
+    each). Answered 400 at once: waiting for a head end that may never come held such a
+    client until its deadline when it kept its side open."""
+    if any(b in _NEVER_IN_A_HEAD for b in data):
+        return True
+    rest = data.lstrip(b"\r\n")  # a few empty lines before a request are allowed
+    method = rest.split(b" ", 1)[0]
+    if len(method) < len(rest):  # the method is complete: it must be one token
+        return not method or any(b not in _METHOD_BYTES for b in method)
+    return any(b not in _METHOD_BYTES for b in rest.rstrip(b"\r\n")) or b"\n" in rest
 
 
 def _lines(head: bytes) -> list[bytes]:

@@ -99,6 +99,31 @@ def test_release_errors():
         pool.lease("a", [0])  # the null block is nobody's
 
 
+@pytest.mark.parametrize(
+    "connectors", ["", "   ", ["pd", ""], ("pd", "\t"), [None], ["pd", 7]], ids=repr
+)
+@pytest.mark.parametrize("how", ["finish", "abort"])
+def test_empty_or_blank_connector_name_is_refused_and_changes_nothing(how, connectors):
+    """Issue 41 item 8b: ``finish(r, connectors="")`` deferred the request on a connector
+    named "" (so its blocks waited for ``release(r, "")``). An empty, blank or non-string
+    name is refused before anything changes; the request is still live and finishes."""
+    pool = make_pool()
+    pool.allocate_prompt("r", [1, 2, 3, 4, 5, 6])
+    before = pool.snapshot()
+    allocated, running = before.allocated_blocks, pool.num_running
+    with pytest.raises(ValueError, match="not a name"):
+        getattr(pool, how)("r", connectors=connectors)
+    s = pool.snapshot()
+    assert not pool.is_deferred("r") and pool.pending_connectors("r") == frozenset()
+    assert (s.deferred_free_requests, s.deferred_free_blocks) == (0, 0)
+    assert (s.allocated_blocks, pool.num_running) == (allocated, running) == (2, 1)
+    pool.append_slots("r", 1)  # still live
+    assert pool.finish("r") is False
+    assert pool.snapshot().allocated_blocks == 0
+    with pytest.raises(KeyError):
+        pool.block_table("r")
+
+
 DEVICES = [
     "cpu",
     pytest.param(

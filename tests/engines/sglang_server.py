@@ -52,22 +52,14 @@ def abort(port: int, rid: str) -> None:
 
 
 def sglang_live(port: int) -> dict[str, Any]:
-    """SGLang's /v1/loads: the scheduler's counts computed when asked (not the gauges' last
-    report), so they are exact while nothing runs, e.g. paused."""
+    """SGLang's /v1/loads: the last load snapshot its scheduler published, not a reading
+    taken when asked. SGLang 0.5.23 writes one to shared memory (``publish_load_snapshot``)
+    after every prefill batch, every 15th decode batch (``--load-snapshot-publish-interval``),
+    from ``on_idle`` at most every 0.05 s while work waits, and once fully idle; so it can
+    lag the scheduler's state like the gauges do, and while paused it is the last one."""
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/v1/loads", timeout=30) as r:
         (load,) = json.loads(r.read())["loads"]  # one scheduler
     return load
-
-
-def live_mismatches(live: dict[str, Any], ours: dict[str, float]) -> list[str]:
-    pairs = [
-        ("max_total_num_tokens", live["max_total_num_tokens"], ours["total"]),
-        ("num_used_tokens", live["num_used_tokens"], ours["allocated"]),
-        ("num_used_tokens/tokens_used", live["num_used_tokens"], ours["tokens_used"]),
-        ("num_running_reqs", live["num_running_reqs"], ours["running"]),
-        ("num_waiting_reqs", live["num_waiting_reqs"], ours["waiting"]),
-    ]
-    return [f"{n}: sglang {a} kvsidecar {b}" for n, a, b in pairs if a != b]
 
 
 def _counter(m: dict, name: str, **labels: str) -> float:

@@ -15,6 +15,7 @@ import pytest
 from tests.engines.envs import run_json_helper
 
 HELPER = str(Path(__file__).parent / "sglang_helpers" / "oracle.py")
+IDENTITY = str(Path(__file__).parent / "sglang_helpers" / "identity.py")
 
 
 @pytest.fixture(scope="module")
@@ -55,3 +56,24 @@ def test_the_oracle_catches_a_broken_adapter(oracle):
     broken = oracle["broken"]
     assert len(broken) == 3 and all(r["mismatches"] > 0 for r in broken)
     assert any("available_size" in p for r in broken for p in r["problems"])
+
+
+def test_model_name_is_sglangs_own_label():
+    """Issue 41 item 8c: without ``--served-model-name`` SGLang 0.5.23 keeps the field None
+    on its ServerArgs record and resolves it to the model path (its metrics' ``model_name``
+    label); we published the string "None". Against SGLang's real ServerArgs, resolved and
+    published as its processes do, and its own label function."""
+    out = run_json_helper("sglang", IDENTITY, [], timeout=300)
+    assert out["rc"] == 0, out["stdout"][-3000:]
+    assert out["sglang"] == "0.5.23"
+    cases = {c["case"]: c for c in out["cases"]}
+    for c in out["cases"]:
+        print(f"sglang identity {c['case']!r}: label {c['sglang_label']!r}, ours {c['ours']!r}")
+        assert c["ours"] == c["sglang_label"], c
+        assert c["our_device"] == c["sglang_device"] == "cpu", c
+    unnamed = cases["no --served-model-name"]
+    # The record keeps the raw None; SGLang's label is the model path.
+    assert unnamed["raw_served_model_name"] is None
+    assert unnamed["ours"] == unnamed["model_path"] != "None"
+    assert cases["--served-model-name"]["ours"] == "served-llama"
+    assert cases["--device cpu:0"]["raw_device"] == "cpu:0"  # SGLang strips the index

@@ -124,29 +124,34 @@ def test_preemptions_match_vllm_and_a_default_stop_is_a_clean_close(tmp_path, tm
 
 def _engine_core(server_pid: int) -> int:
     """The EngineCore process among the API server's descendants (vLLM names it)."""
+    return vllm_child(server_pid, b"EngineCore")
+
+
+def vllm_child(server_pid: int, title: bytes) -> int:
+    """The first of the API server's descendants whose command line names `title`."""
     from kvsidecar.bench import proccount
 
     for pid in proccount.tree(server_pid)[1:]:
         try:
             with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"EngineCore" in f.read():
+                if title in f.read():
                     return pid
         except OSError:
             continue
-    raise AssertionError(f"no EngineCore process under {server_pid}")
+    raise AssertionError(f"no {title.decode()} process under {server_pid}")
 
 
-def _source_up_series(metrics_url: str) -> tuple[str, float] | None:
+def _source_up_series(metrics_url: str, segment: str = SEGMENT) -> tuple[str, float] | None:
     """The exposition line of the segment's kvsidecar_source_up, as Prometheus stores it."""
     with urllib.request.urlopen(metrics_url, timeout=5) as r:
         for line in r.read().decode().splitlines():
-            if line.startswith("kvsidecar_source_up{") and f'segment="{SEGMENT}"' in line:
+            if line.startswith("kvsidecar_source_up{") and f'segment="{segment}"' in line:
                 series, _, value = line.rpartition(" ")
                 return series, float(value)
     return None
 
 
-def _source_down_fires(series: str, value: float, tmp_path) -> bool:
+def _source_down_fires(series: str, value: float, tmp_path, segment: str = SEGMENT) -> bool:
     """promtool's verdict on the shipped rules: does KvsidecarSourceDown fire for `series`
     held at `value` (scraped every 15 s) after 2 minutes? Asked as "no alert expected", so
     promtool's failure lists what fired (its annotations need not be restated here)."""
@@ -174,7 +179,7 @@ def _source_down_fires(series: str, value: float, tmp_path) -> bool:
         return False
     got = text.partition("got:")[2]
     assert got, text  # failed for another reason than a firing alert
-    return f'segment="{SEGMENT}"' in got and 'severity="warning"' in got
+    return f'segment="{segment}"' in got and 'severity="warning"' in got
 
 
 @pytest.mark.timeout(420)

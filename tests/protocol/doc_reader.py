@@ -59,7 +59,8 @@ RETRIES = 8  # section 3: "repeat up to N times (kvsidecar: 8)"
 
 @dataclass
 class DocResult:
-    """kind: ok, not_found, refused, not_ready, corrupt, version_mismatch, contended."""
+    """kind: ok, not_found, refused, not_ready, corrupt, version_mismatch, contended,
+    faulted."""
 
     kind: str
     runtime: dict[str, Any] = field(default_factory=dict)
@@ -243,4 +244,6 @@ def _decode(payload: bytes, caps: dict, s: int, head: dict) -> DocResult:
     ]
     if r is None or any(p is None for p in ps):
         return DocResult("corrupt", **head)
-    return DocResult("ok", runtime=r, pools=ps, seq=s, rejected=rejected, **head)  # type: ignore[arg-type]
+    # Sections 6 and 8: state 3 FAULTED is dead whatever the lock says (its last values kept).
+    kind = "faulted" if head["state"] == 3 else "ok"
+    return DocResult(kind, runtime=r, pools=ps, seq=s, rejected=rejected, **head)  # type: ignore[arg-type]

@@ -228,6 +228,9 @@ CASES: list[tuple[str, Callable[[SegmentWriter], None], str, set[str]]] = [
     ("identity_negative", _rt(dp_rank=-1), "corrupt", set()),
     ("identity_wrong_type", _pl(group_id="a"), "corrupt", set()),
     ("identity_2_63", _rt(pid=2**63), "corrupt", set()),
+    # Sections 6 and 8: FAULTED is dead while the writer still holds its lock.
+    ("state_faulted", _header_patch(14, b"\x03"), "faulted", set()),
+    ("state_closed_alive", _header_patch(14, b"\x02"), "ok", set()),
 ]
 
 

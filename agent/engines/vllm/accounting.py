@@ -30,6 +30,25 @@ def _kv_buffers(spec: Any) -> int:
     return 1 if "MLA" in type(spec).__name__ else 2
 
 
+def backing_bytes(tensors: list[Any], layer_names: set[str]) -> int:
+    """Bytes of the allocations that back these layers, each counted once.
+
+    vLLM >= 0.32 places every ``KVCacheTensor`` of one residency in one backing allocation
+    of ``size`` bytes (device, and a HiSparse host pool): a pool's groups overlay it, so
+    its tensors repeat that size, one entry per group and spec. Older ``KVCacheTensor``s
+    (``shared_by``) are allocations of their own.
+    """
+    backings: dict[object, int] = {}
+    for t in tensors:
+        placed = getattr(t, "layers", None)
+        key: object = bool(getattr(t, "host_resident", False))
+        if placed is None:
+            placed, key = getattr(t, "shared_by", ()), id(t)
+        if layer_names.intersection(placed):
+            backings[key] = max(backings.get(key, 0), int(t.size))
+    return sum(backings.values())
+
+
 class VllmPoolSource:
     """`PoolSource` over one vLLM ``BlockPool``, counters kept at mutation time.
 
@@ -41,6 +60,10 @@ class VllmPoolSource:
       available = ``free_block_queue.num_free_blocks`` (free + evictable cached);
       allocated = total - available (= non-null blocks with ``ref_cnt > 0``), so
       allocated/total is ``vllm:kv_cache_usage_perc``.
+    * mapped_bytes = the backing allocation of the pool's layers, once (`backing_bytes`);
+      num_layers = the layers one block holds (the largest of the pool's groups, which
+      overlay one storage); so virtual_total_bytes = mapped_bytes and a block's bytes are
+      vLLM's bytes per block (tests/engines/test_vllm_pools.py).
     * cached = non-null blocks with ``ref_cnt == 0`` and a block hash (evictable).
     * deferred = requests a connector kept after they finished (still in
       ``Scheduler.requests``) and the distinct non-null blocks they hold in this pool.
@@ -67,9 +90,16 @@ class VllmPoolSource:
         self._managers = managers  # single-type managers whose blocks come from this pool
         spec = specs[0] if specs else None
         buffers = _kv_buffers(spec) if spec is not None else 2
-        page = int(getattr(spec, "page_size_bytes", 0) or 0) if spec is not None else 0
-        block_bytes = page // buffers if buffers else page
-        total = int(pool.num_gpu_blocks) - 1
+        rows = int(pool.num_gpu_blocks)
+        if mapped_bytes and num_layers and mapped_bytes % rows == 0:
+            # One block of this pool's storage (vLLM's bytes_per_block): the backing's
+            # bytes per row, over the layers one block holds (rounded up where a pool's
+            # page sizes differ, so the storage is never more than virtual_total_bytes).
+            block_bytes = -(-(mapped_bytes // rows) // (num_layers * buffers))
+        else:
+            page = int(getattr(spec, "page_size_bytes", 0) or 0) if spec is not None else 0
+            block_bytes = page // buffers if buffers else page
+        total = rows - 1
         self._total = total
         self._unit = block_bytes * num_layers * buffers
         self._queue = pool.free_block_queue
@@ -111,35 +141,38 @@ class VllmPoolSource:
 
     @classmethod
     def for_manager(cls, manager: Any, kv_cache_config: Any) -> list[VllmPoolSource]:
-        """One source per distinct BlockPool (vLLM's KV-cache groups share one pool)."""
+        """One source per distinct BlockPool (vLLM's KV-cache groups share one pool; a
+        HiSparse host group has its own), each with the storage that backs its own groups."""
         groups = list(getattr(kv_cache_config, "kv_cache_groups", []) or [])
-        by_pool: dict[int, tuple[Any, list[int], list[Any]]] = {}
+        # The manager's own pool first ("block_pool", vLLM's kv_cache_usage_perc), even
+        # where a HiSparse host group (group 0) has a pool of its own.
+        by_pool: dict[int, tuple[Any, list[int], list[Any]]] = {
+            id(manager.block_pool): (manager.block_pool, [], [])
+        }
         for m in manager.coordinator.single_type_managers:
             pool = m.block_pool
             entry = by_pool.setdefault(id(pool), (pool, [], []))
             entry[1].append(int(getattr(m, "kv_cache_group_id", len(entry[1]))))
             entry[2].append(m)
-        if id(manager.block_pool) not in by_pool:
-            by_pool[id(manager.block_pool)] = (manager.block_pool, [0], [])
+        if not by_pool[id(manager.block_pool)][1]:
+            by_pool[id(manager.block_pool)][1].append(0)
         tensors = list(getattr(kv_cache_config, "kv_cache_tensors", []) or [])
         sources = []
         for i, (pool, group_ids, managers) in enumerate(by_pool.values()):
-            specs = [groups[g].kv_cache_spec for g in group_ids if g < len(groups)]
-            layers = sum(len(groups[g].layer_names) for g in group_ids if g < len(groups))
+            own = [groups[g] for g in group_ids if g < len(groups)]
             main = pool is manager.block_pool
-            mapped = (
-                sum(int(t.size) for t in tensors if not getattr(t, "host_resident", False))
-                if main
-                else 0
-            )
             sources.append(
                 cls(
                     pool,
                     group_id=min(group_ids),
                     pool_name="block_pool" if i == 0 else f"block_pool_{i}",
-                    specs=specs,
-                    num_layers=layers,
-                    mapped_bytes=mapped,
+                    specs=[g.kv_cache_spec for g in own],
+                    # vLLM overlays a pool's groups on one storage (a block belongs to
+                    # one group at a time): a block holds the largest group's layers.
+                    num_layers=max((len(g.layer_names) for g in own), default=0),
+                    mapped_bytes=backing_bytes(
+                        tensors, {name for g in own for name in g.layer_names}
+                    ),
                     manager=manager if main else None,
                     managers=managers,
                 )

@@ -14,6 +14,7 @@ import time
 from typing import Any
 
 from kvsidecar.agent.engines._patching import disabled
+from kvsidecar.agent.engines.vllm import faults
 from kvsidecar.agent.engines.vllm.accounting import VllmPoolSource
 from kvsidecar.agent.engines.vllm.hooks import (
     BLOCK_POOL_HOOKS,
@@ -225,6 +226,7 @@ class VllmSidecar:
         if hasattr(scheduler, "_preempt_request"):  # counted by the subclass's wrapper
             agent.runtime.preemptions_total = 0
         sidecar.publish(scheduler, engine_step=False)  # visible before the first step
+        faults.install()  # a fault or an orphaned core reads dead, never closed cleanly
         log.info(
             "kvsidecar: publishing vLLM %s engine core (dp_rank %d) to %s",
             version,

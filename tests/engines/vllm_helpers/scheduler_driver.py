@@ -1,6 +1,6 @@
 """Drive vLLM's real ``Scheduler`` / ``AsyncScheduler`` directly, the way vLLM's own scheduler
-unit tests do (a hand-made KV-cache config, model-runner outputs built by hand, no model, no
-GPU), with the kvsidecar plugin applied through ``register()`` and
+unit tests do (a KV-cache config planned by vLLM's own planner, model-runner outputs built by
+hand, no model, no GPU), with the kvsidecar plugin applied through ``register()`` and
 ``SchedulerConfig.get_scheduler_cls()`` (the engine core's path). After every step and every
 abort, every field the plugin published (read back from the shared-memory segment) is compared
 with a brute-force recount over ``BlockPool.blocks`` and ``Scheduler.requests``, and the prefix
@@ -30,7 +30,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from common import recount_pool, write_model
+from common import plan_kv_cache, plugin_scheduler, recount_pool, write_model
 
 BLOCK = 16
 
@@ -73,14 +73,8 @@ def build(cfg: Config, model_dir: str):
     )
     from vllm.v1.kv_cache_interface import (
         FullAttentionSpec,
-        KVCacheConfig,
-        KVCacheGroupSpec,
-        KVCacheTensor,
         SlidingWindowSpec,
     )
-    from vllm.v1.structured_output import StructuredOutputManager
-
-    from kvsidecar.agent.engines import vllm as plugin
 
     max_len = 1024
     sched_cfg = SchedulerConfig(
@@ -109,36 +103,21 @@ def build(cfg: Config, model_dir: str):
     if cfg.hybrid:
         vllm_config.scheduler_config.disable_hybrid_kv_cache_manager = False
     full = FullAttentionSpec(block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32)
-    groups = [KVCacheGroupSpec(["layers.0", "layers.2"], full)]
+    specs = {"layers.0": full, "layers.2": full}
     if cfg.hybrid:
         swa = SlidingWindowSpec(
             block_size=BLOCK, num_kv_heads=2, head_size=8, dtype=torch.float32, sliding_window=64
         )
-        groups.append(KVCacheGroupSpec(["layers.1", "layers.3"], swa))
-    page = full.page_size_bytes
-    tensor_bytes = cfg.num_blocks * page
-    layers = [name for g in groups for name in g.layer_names]
-    kv_cache_config = KVCacheConfig(
-        num_blocks=cfg.num_blocks,
-        kv_cache_tensors=[
-            KVCacheTensor(
-                size=tensor_bytes, layers=[n], layer_stride=tensor_bytes, block_stride=page
-            )
-            for n in layers
-        ],
-        kv_cache_groups=groups,
-    )
+        specs.update({"layers.1": swa, "layers.3": swa})
+    # vLLM's own plan (its real layout: the groups overlay one backing allocation).
+    vllm_config.cache_config.kv_cache_layout = "LBHNC"
+    kv_cache_config = plan_kv_cache(vllm_config, specs, cfg.num_blocks * 2 * full.page_size_bytes)
+    assert kv_cache_config.num_blocks == cfg.num_blocks
+    assert len(kv_cache_config.kv_cache_groups) == (2 if cfg.hybrid else 1)
     cache.num_gpu_blocks = cfg.num_blocks
-    plugin.register()
-    cls = vllm_config.scheduler_config.get_scheduler_cls()
-    sched = cls(
-        vllm_config=vllm_config,
-        kv_cache_config=kv_cache_config,
-        structured_output_manager=StructuredOutputManager(vllm_config),
-        block_size=BLOCK,
-        log_stats=True,
-    )
-    return sched, kv_cache_config, full.page_size_bytes, len(layers)
+    sched = plugin_scheduler(vllm_config, kv_cache_config, BLOCK)
+    # A block holds one group's layers (2), in one backing allocation.
+    return sched, kv_cache_config, full.page_size_bytes, 2
 
 
 def sabotage(sched, hook: str) -> None:
@@ -410,7 +389,8 @@ class Run:
                 # The storage (schema 1.4, #22): num_gpu_blocks blocks, the null one included.
                 virtual_blocks=total + 1,
                 virtual_per_layer_bytes=(total + 1) * self.page,
-                mapped_bytes=sum(t.size for t in self.kv_config.kv_cache_tensors) if i == 0 else 0,
+                # The one backing allocation (each group's tensor repeats its size).
+                mapped_bytes=self.kv_config.kv_cache_tensors[0].size if i == 0 else 0,
                 tokens_used=None,
                 reserved_blocks=0,
             )
