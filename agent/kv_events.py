@@ -71,7 +71,7 @@ class KVEventsRecorder:
         **fields: Any,
     ) -> None:
         """Block ``slot`` now caches ``block_hash``; ``fields``: `KVEventsWriter.stored`'s
-        (first, group_idx, medium, lora_id, lora_name)."""
+        (first, group_idx, medium, lora_id, lora_name, spec)."""
         self._call("stored", slot, block_hash, parent_hash, token_ids, **fields)
 
     def removed(self, slot: int, block_hash: int, *, group_idx: int = 0) -> None:

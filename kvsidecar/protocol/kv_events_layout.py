@@ -50,7 +50,9 @@ A slot (``slot_stride`` bytes, a seqlock of its own)::
     +38  u16 group_idx     KV-cache group
     +40  u16 n_tokens      token ids that follow (<= block_size)
     +42  u16 lora_name     index into the name table, 0 = none
-    +44  u32 reserved
+    +44  u16 spec          index into the name table of the group's KV-cache spec
+                           ("<kind>" or "<kind> <sliding_window>"), 0 = none
+    +46  u16 reserved
     +48  i64 lora_id       valid when HAS_LORA_ID
     +56  u32 token_ids[block_size]
 
@@ -106,7 +108,7 @@ FLAG_CACHED = 1
 FLAG_HAS_PARENT = 2
 FLAG_HAS_LORA_ID = 4
 # The slot's fields after seq (offset 8 .. 56), packed as one struct by the writer.
-SLOT_BODY = struct.Struct("<QQQIBBHHHIq")
+SLOT_BODY = struct.Struct("<QQQIBBHHHHHq")
 assert SLOT_BODY.size == SLOT_FIXED - 8
 SLOT_HEAD = struct.Struct("<Q" + SLOT_BODY.format[1:])  # seq + body, for readers
 

@@ -65,6 +65,7 @@ class Block(NamedTuple):
     token_ids: tuple[int, ...]
     lora_id: int | None
     lora_name: int  # index into the name table (KVEventsReader.lora_name), 0 = none
+    spec: int  # the KV-cache spec's index into the name table, 0 = none
 
 
 class KVEventsReader(MappedFile):
@@ -219,6 +220,7 @@ class KVEventsReader(MappedFile):
             group_idx,
             n_tokens,
             name_idx,
+            spec_idx,
             _reserved,
             lora_id,
         ) = kvl.SLOT_HEAD.unpack_from(raw, 0)
@@ -238,6 +240,7 @@ class KVEventsReader(MappedFile):
             tokens,
             lora_id if flags & kvl.FLAG_HAS_LORA_ID else None,
             name_idx,
+            spec_idx,
         )
 
 

@@ -104,6 +104,7 @@ class KVEventsWriter(SegmentFile):
         medium: str | None = "GPU",
         lora_id: int | None = None,
         lora_name: str | None = None,
+        spec: str | None = None,
     ) -> int:
         """Block ``slot`` now caches ``block_hash``; returns the record's number (0: closed).
 
@@ -130,6 +131,7 @@ class KVEventsWriter(SegmentFile):
             flags |= kvl.FLAG_HAS_LORA_ID
             lora = lora_id
         name_idx = 0 if lora_name is None else self._name_index(lora_name)
+        spec_idx = 0 if spec is None else self._name_index(spec)
         block_hash &= MASK64
         buf = self._slot_buf
         kvl.SLOT_BODY.pack_into(
@@ -144,6 +146,7 @@ class KVEventsWriter(SegmentFile):
             group_idx,
             n,
             name_idx,
+            spec_idx,
             0,
             lora,
         )

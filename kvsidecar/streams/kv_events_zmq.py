@@ -91,8 +91,8 @@ def _continues(prev: Block, b: Block) -> bool:
     return (
         b.parent_hash == prev.block_hash
         and len(b.token_ids) == len(prev.token_ids)
-        and (b.group_idx, b.medium, b.lora_id, b.lora_name)
-        == (prev.group_idx, prev.medium, prev.lora_id, prev.lora_name)
+        and (b.group_idx, b.medium, b.lora_id, b.lora_name, b.spec)
+        == (prev.group_idx, prev.medium, prev.lora_id, prev.lora_name, prev.spec)
     )
 
 
@@ -103,6 +103,9 @@ def stored_event(reader: KVEventsReader, blocks: list[Block]) -> BlockStored:
     for b in blocks:
         tokens.extend(b.token_ids)
     lora_name = reader.lora_name(first.lora_name)
+    # The group's KV-cache spec, as vLLM's KVCacheManager.take_events annotates it.
+    spec = (reader.lora_name(first.spec) or "").split(" ")
+    window = spec[1] if len(spec) > 1 and spec[1].isdigit() else None
     return BlockStored(
         block_hashes=[b.block_hash for b in blocks],
         parent_block_hash=first.parent_hash,
@@ -113,6 +116,8 @@ def stored_event(reader: KVEventsReader, blocks: list[Block]) -> BlockStored:
         lora_name=lora_name,
         extra_keys=[None if lora_name is None else (lora_name,) for _ in blocks],
         group_idx=first.group_idx,
+        kv_cache_spec_kind=spec[0] or None,
+        kv_cache_spec_sliding_window=None if window is None else int(window),
     )
 
 
