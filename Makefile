@@ -16,12 +16,13 @@ $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	touch $(STAMP) $(RUN_STAMP)
 
 # What `make run` needs and no more (no test or benchmark tools), saying what it does: the
-# first run downloads torch (CPU) and takes minutes. numpy: torch warns at every import
+# first run downloads torch (CPU) and takes minutes. pyzmq (kvevents): the demo publishes KV
+# events. numpy: torch warns at every import
 # without it (its CPU wheel does not bring it); the demo itself does not need it.
 $(RUN_STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c
 	@test -x $(BIN)/python || { echo "make run: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "make run: installing kvsidecar and torch (CPU) into $(VENV); the first time takes a few minutes"
-	$(BIN)/pip install --disable-pip-version-check -c constraints.txt -e '.[agent]' numpy
+	$(BIN)/pip install --disable-pip-version-check -c constraints.txt -e '.[agent,kvevents]' numpy
 	touch $(RUN_STAMP)
 
 # Just the environment: .venv/bin/kvsidecar and .venv/bin/python, as the docs use them.

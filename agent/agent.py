@@ -51,6 +51,7 @@ from kvsidecar import settings
 from kvsidecar.agent import faults
 from kvsidecar.agent.adapters import PoolSource
 from kvsidecar.agent.heartbeat import IdleHeartbeat
+from kvsidecar.agent.kv_events import KVEventsRecorder
 from kvsidecar.agent.pool import DeferredRequests, DeviceMemorySampler, default_device
 from kvsidecar.protocol import layout
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR, default_segment_name
@@ -215,6 +216,7 @@ class KVSidecarAgent:
         heartbeat_interval: float | None = None,
         instance: str | None = None,
         env: Mapping[str, str] | None = None,
+        kv_events: bool | None = None,
     ) -> None:
         # A safe, disabled agent first: whatever fails below, every method still works.
         self.enabled = False
@@ -235,6 +237,10 @@ class KVSidecarAgent:
         self._snapshot = Snapshot(runtime=self.runtime, pools=[])
         self.shm_dir = DEFAULT_SHM_DIR
         self.segment_name = ""
+        # KV events (agent/kv_events.py): None = KVSIDECAR_KV_EVENTS decides.
+        self.kv_events: KVEventsRecorder | None = None
+        self._kv_events_wanted = kv_events
+        self._group: str | int | None = None
         try:
             self._configure(
                 engine, model_name, role, engine_version, dp_rank, dp_size, tp_rank, tp_size,
@@ -287,8 +293,11 @@ class KVSidecarAgent:
         )
         disabled = settings.DISABLE.enabled(env)
         self.enabled = (not disabled) if enabled is None else bool(enabled)
+        if self._kv_events_wanted is None:
+            self._kv_events_wanted = settings.KV_EVENTS.enabled(env)
+        self._group = _setting(group, env, settings.GROUP, cast=lambda g: g)
         if self.enabled:
-            self._open(_setting(group, env, settings.GROUP, cast=lambda g: g))
+            self._open(self._group)
         interval = _setting(
             heartbeat_interval, {}, _HEARTBEAT_ARG, DEFAULT_HEARTBEAT_INTERVAL, cast=float
         )
@@ -354,7 +363,34 @@ class KVSidecarAgent:
         self._sources.append(source)
         self._tracked.append(tracked)
         self._snapshot.pools.append(record)
+        self._maybe_kv_events(source)
         return True
+
+    def _maybe_kv_events(self, source: PoolSource) -> None:
+        """Record this pool's prefix cache as KV events (KVSIDECAR_KV_EVENTS=1 or
+        ``kv_events=True``): one KV-event segment per agent, sized from the pool's blocks."""
+        attach = getattr(source, "attach_kv_events", None)
+        if not (self.enabled and self._kv_events_wanted and callable(attach)):
+            return
+        if self.kv_events is not None:
+            self._log_once("kv_events_pools", "kvsidecar: KV events record the first pool only")
+            return
+        try:
+            n_slots, block_size = int(source.kv_event_slots), int(source.block_size)  # type: ignore[attr-defined]
+        except Exception as e:
+            self._log_once("kv_events_size", f"kvsidecar: no KV events for {source!r}: {e}")
+            return
+        recorder = KVEventsRecorder.open(
+            self.segment_name,
+            n_slots=n_slots,
+            block_size=block_size,
+            dp_rank=self.runtime.dp_rank or 0,
+            shm_dir=self.shm_dir,
+            group=self._group,
+        )
+        if recorder is not None:
+            attach(recorder)
+            self.kv_events = recorder
 
     def _free_name(self, record: KVCachePoolSnapshot) -> str | None:
         """None if the record's (pool_name, group_id) is free, else the first free alias."""
@@ -561,6 +597,9 @@ class KVSidecarAgent:
                 except Exception:
                     pass
         self._tracked = [False] * len(self._sources)
+        events, self.kv_events = self.kv_events, None
+        if events is not None:
+            events.close()
         writer = self._writer or self._faulted_writer
         self._writer = self._faulted_writer = None
         if writer is not None:

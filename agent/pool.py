@@ -69,11 +69,14 @@ import time
 from array import array
 from collections import OrderedDict
 from collections.abc import Callable, Iterable, Iterator, Sequence
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import torch
 
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
+
+if TYPE_CHECKING:
+    from kvsidecar.agent.kv_events import KVEventsRecorder
 
 # A block table (or token id list) may be any of these; all are accepted wherever one is passed.
 BlockTable = Sequence[int] | array | torch.Tensor
@@ -224,6 +227,7 @@ class KVBlockPool:
         self._deferred_since: OrderedDict[str, int] = OrderedDict()
         self._tokens_used = 0
         self._trackers: list[DeferredRequests] = []
+        self._events: KVEventsRecorder | None = None  # attach_kv_events
 
         self.stats = KVCachePoolSnapshot(
             pool_name=pool_name,
@@ -307,6 +311,34 @@ class KVBlockPool:
         v = flat[1].index_select(0, slots) if self.num_kv_buffers == 2 else None
         return k, v
 
+    # ------------------------------------------------------------------ KV events
+
+    @property
+    def kv_event_slots(self) -> int:
+        """Block ids this pool can hand out now (0 .. rows-1): a KV-event table's size."""
+        return self._rows
+
+    def attach_kv_events(self, recorder: KVEventsRecorder | None) -> None:
+        """Record every prefix-cache change (cached, evicted, reset) into ``recorder``
+        (agent/kv_events.py); None stops. Attach before the first request: blocks cached
+        earlier are not in the stream (their token ids are no longer known)."""
+        self._events = recorder
+
+    def reset_prefix_cache(self) -> bool:
+        """vLLM's reset: forget every cached block (one AllBlocksCleared event). Refused
+        (False, nothing changes) while a block is in use, as vLLM refuses."""
+        if self._n_used or self._reserve:
+            return False
+        for b in self._cached:
+            self._free.append(b)
+        self._cached.clear()
+        self._hash_to_block.clear()
+        self._block_hash[:] = [None] * len(self._block_hash)
+        if self._events is not None:
+            self._events.cleared()
+        self._publish()
+        return True
+
     # ------------------------------------------------------------------ snapshot
 
     def snapshot(self) -> KVCachePoolSnapshot:
@@ -371,9 +403,12 @@ class KVBlockPool:
             cached = self._cached
             block_hash = self._block_hash
             h2b = self._hash_to_block
+            events = self._events
             for _ in range(evict):
                 b = cached.popitem(last=False)[0]
                 del h2b[block_hash[b]]
+                if events is not None:
+                    events.removed(b, block_hash[b], group_idx=self.stats.group_id)
                 block_hash[b] = None
                 fill[b] = 0
                 out.append(b)
@@ -434,9 +469,12 @@ class KVBlockPool:
         if excess <= 0:
             return
         cached = self._cached
+        events = self._events
         for _ in range(excess):
             b = cached.popitem(last=False)[0]
             del self._hash_to_block[self._block_hash[b]]
+            if events is not None:
+                events.removed(b, self._block_hash[b], group_idx=self.stats.group_id)
             self._block_hash[b] = None
             self._free.append(b)
         self.stats.evictions_total += excess
@@ -602,13 +640,16 @@ class KVBlockPool:
         bs = self.block_size
         nblocks = -(-n // bs)
         hashes: list[int] = []
+        blocks: list[tuple[int, ...]] = []  # each full block's tokens (for KV events)
         table: list[int] = []
         revive = 0
         if self.enable_prefix_caching:
             parent = _ROOT_HASH
             for i in range(n // bs):
-                parent = hash_block_tokens(parent, tuple(tokens[i * bs : (i + 1) * bs]))
+                block = tuple(tokens[i * bs : (i + 1) * bs])
+                parent = hash_block_tokens(parent, block)
                 hashes.append(parent)
+                blocks.append(block)
             h2b = self._hash_to_block
             refcount = self._refcount
             for h in hashes:
@@ -649,23 +690,42 @@ class KVBlockPool:
         self._tokens_used += n - hits * bs
         req = _Request(req_id, table, n)
         if self.enable_prefix_caching:
-            self._register_hashes(table, hashes, hits)
+            self._register_hashes(table, hashes, hits, blocks)
             req.hashes = hashes
             req.tokens = tokens[len(hashes) * bs :]
         self._requests[req_id] = req
         self._publish()
         return hits
 
-    def _register_hashes(self, table: list[int], hashes: list[int], start: int) -> None:
+    def _register_hashes(
+        self, table: list[int], hashes: list[int], start: int, blocks: list[tuple[int, ...]]
+    ) -> None:
+        """Cache blocks start.. of a request; ``blocks[j - (len(hashes) - len(blocks))]``
+        holds block j's tokens (the KV event's token ids)."""
         # First writer wins: a hash already mapped (stale chain after an earlier miss) stays.
         h2b = self._hash_to_block
         block_hash = self._block_hash
+        events = self._events
+        first = True  # a run of newly cached blocks is one BlockStored, as in vLLM
+        skip = len(hashes) - len(blocks)
         for j in range(start, len(hashes)):
             h = hashes[j]
             if h not in h2b:
                 b = table[j]
                 h2b[h] = b
                 block_hash[b] = h
+                if events is not None:
+                    events.stored(
+                        b,
+                        h,
+                        hashes[j - 1] if j else None,
+                        blocks[j - skip],
+                        first=first,
+                        group_idx=self.stats.group_id,
+                    )
+                first = False
+            else:
+                first = True
 
     def append_slots(self, req_id: str, n_tokens: int, token_ids: BlockTable | None = None) -> bool:
         """Room for n more tokens of a running request (decode); False (counted) if none.
@@ -711,11 +771,14 @@ class KVBlockPool:
                     hashes = req.hashes
                     start = len(hashes)
                     parent = hashes[-1] if hashes else _ROOT_HASH
+                    blocks = []
                     while len(tail) >= bs:
-                        parent = hash_block_tokens(parent, tuple(tail[:bs]))
+                        block = tuple(tail[:bs])
+                        parent = hash_block_tokens(parent, block)
                         hashes.append(parent)
+                        blocks.append(block)
                         del tail[:bs]
-                    self._register_hashes(table, hashes, start)
+                    self._register_hashes(table, hashes, start, blocks)
         self._publish()
         return True
 

@@ -119,6 +119,15 @@ GROUP = _s(
     "group (name or gid) given to the segments and the default directory",
     AGENT,
 )
+KV_EVENTS = _s(
+    "KV_EVENTS",
+    "bool",
+    False,
+    "`1`: the agent also records the prefix cache's changes in a KV-event segment "
+    "(`kvevents.<...>`, beside the snapshot) that `serve --kv-events.endpoint` publishes as "
+    "vLLM's KV events (docs/kv-events.md)",
+    AGENT,
+)
 
 # -- the daemon (`kvsidecar serve`) and the readers (`dump`, `ls`, `selfcheck`) -----------
 PREFIX = _s("PREFIX", "str", DEFAULT_PREFIX, "discovery prefix", DAEMON, CLI, flag="--prefix")
@@ -226,6 +235,49 @@ GATEWAY_STALE_AFTER = _s(
     "threshold, above the agent's 1 s idle heartbeat",
     DAEMON,
     flag="--gateway.stale-after",
+)
+# -- KV events (kvsidecar/streams/, docs/kv-events.md; needs the kvsidecar[kvevents] extra) ----
+KV_EVENTS_ENDPOINT = _s(
+    "KV_EVENTS_ENDPOINT",
+    "str",
+    None,
+    "publish the engines' KV events on vLLM's ZMQ wire: a PUB per DP rank r on this endpoint's "
+    "port + r, as vLLM's `endpoint` (e.g. `tcp://*:5557`; off when unset)",
+    DAEMON,
+    flag="--kv-events.endpoint",
+)
+KV_EVENTS_REPLAY_ENDPOINT = _s(
+    "KV_EVENTS_REPLAY_ENDPOINT",
+    "str",
+    None,
+    "vLLM's replay ROUTER per DP rank on this endpoint's port + r (e.g. `tcp://*:5558`); a "
+    "request older than the buffer gets the full state",
+    DAEMON,
+    flag="--kv-events.replay-endpoint",
+)
+KV_EVENTS_TOPIC = _s(
+    "KV_EVENTS_TOPIC",
+    "str",
+    "",
+    "the topic frame of every KV-event message (llm-d: `kv@<pod>@<model>`)",
+    DAEMON,
+    flag="--kv-events.topic",
+)
+KV_EVENTS_BUFFER_STEPS = _s(
+    "KV_EVENTS_BUFFER_STEPS",
+    "int",
+    10_000,
+    "batches kept per DP rank for replay",
+    DAEMON,
+    flag="--kv-events.buffer-steps",
+)
+KV_EVENTS_POLL_INTERVAL = _s(
+    "KV_EVENTS_POLL_INTERVAL",
+    "float",
+    0.01,
+    "seconds between reads of a KV-event segment (one batch per read)",
+    DAEMON,
+    flag="--kv-events.poll-interval",
 )
 # -- OTLP push (kvsidecar/otlp/, docs/otlp.md; needs the kvsidecar[otlp] extra) ----------------
 OTLP_ENDPOINT = _s(

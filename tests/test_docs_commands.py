@@ -410,7 +410,8 @@ def test_quickstart_never_uses_the_production_or_the_bare_shm_directory() -> Non
 
 def test_make_run_installs_only_what_run_needs_and_says_so(tmp_path: Path) -> None:
     """`make run` on a fresh clone (no venv): it says what the minutes-long first install
-    does, and installs the agent extra only, not the test and benchmark tools (#23 item 3)."""
+    does, and installs the agent extra (and kvevents: the demo publishes KV events,
+    docs/kv-events.md) only, not the test and benchmark tools (#23 item 3)."""
     r = subprocess.run(
         ["make", "-n", "run", f"VENV={tmp_path / 'venv'}"],
         capture_output=True, text=True, timeout=60, cwd=REPO,
@@ -419,8 +420,9 @@ def test_make_run_installs_only_what_run_needs_and_says_so(tmp_path: Path) -> No
     lines = r.stdout.splitlines()
     install = [i for i, ln in enumerate(lines) if " install " in ln and "pip" in ln]
     assert len(install) == 1, lines
-    assert "'.[agent]'" in lines[install[0]] and "dev" not in lines[install[0]]
-    assert lines[install[0]].split(" install ", 1)[1].split()[-2:] == ["'.[agent]'", "numpy"]
+    assert "'.[agent,kvevents]'" in lines[install[0]] and "dev" not in lines[install[0]]
+    want = ["'.[agent,kvevents]'", "numpy"]
+    assert lines[install[0]].split(" install ", 1)[1].split()[-2:] == want
     assert " -q" not in lines[install[0]], "pip's own progress is what the wait shows"
     said = [ln for ln in lines[: install[0]] if ln.startswith("echo") and "first time" in ln]
     assert said, lines

@@ -167,6 +167,9 @@ def make_agent(engine: Engine, role: str) -> KVSidecarAgent:
         engine_version="demo",
         device=str(engine.device),
         shm_dir=opts.shm_dir,
+        # KV events from the prefill rank (or the one engine), whose prefix cache a router
+        # indexes (one publisher per DP rank: both engines here are rank 0). kv-events.md
+        kv_events=role in ("prefill", "both"),
     )
     agent.register_pool(engine.pool)
     log(role, f"pid {agent.runtime.pid} device {engine.device} segment {agent.segment_path}")

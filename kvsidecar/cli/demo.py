@@ -211,7 +211,10 @@ def banner(
     mode: str,
     rate: float,
     duration: float,
+    kv_events: str | None = None,
 ) -> str:
+    """``kv_events``: the KV-event endpoint the demo's daemon publishes on, if any."""
+    events = f"  kvevents:  {cli_command()} events --endpoint {kv_events}\n" if kv_events else ""
     watch = f"{cli_command()} dump --watch" + (
         "" if shm_dir == "/dev/shm" else f" --shm-dir {shlex.quote(shm_dir)}"
     )
@@ -222,6 +225,7 @@ def banner(
         f"  metrics:   {base_url}{telemetry_path}\n"
         f"  snapshots: {base_url}/api/v1/snapshots\n"
         f"  watch:     {watch}\n"
+        f"{events}"
         f"  segments:  {shm_dir}{note}\n"
         f"  pids:      {pids}\n"
         f"{until} The engines are starting (building and warming up the model: "
@@ -417,10 +421,15 @@ def demo(
         base = "/dev/shm" if os.path.isdir("/dev/shm") else None
         shm_dir = tempfile.mkdtemp(prefix="kvsidecar-demo-", dir=base)
 
+    # The prefill engine's KV events (docs/kv-events.md), when pyzmq is there to publish them.
+    kv_events = None
+    if importlib.util.find_spec("zmq") is not None:
+        kv_events = f"tcp://127.0.0.1:{free_port('127.0.0.1')}"
     serve = argv(
         # --allow-root: the demo's daemon reads the demo's own private directory; whoever
         # runs the try-out as root (a container) chose to, and needs no warning about it.
-        ["kvsidecar", "serve", "--shm-dir", shm_dir, "--allow-root"],
+        ["kvsidecar", "serve", "--shm-dir", shm_dir, "--allow-root"]
+        + (["--kv-events.endpoint", kv_events] if kv_events else []),
         [("--web.listen-address", a) for a in addresses],
         {
             "--web.telemetry-path": telemetry_path,
@@ -469,6 +478,7 @@ def demo(
                     else "one engine (prefill + decode)",
                     rate,
                     duration,
+                    kv_events,
                 )
             )
         deadline = time.monotonic() + duration if duration else float("inf")

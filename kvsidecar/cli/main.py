@@ -1,4 +1,4 @@
-"""The ``kvsidecar`` command line: serve, dump, ls, bench, demo, selfcheck.
+"""The ``kvsidecar`` command line: serve, dump, ls, bench, demo, selfcheck, events.
 
 Every ``serve`` option (and the shared ``--shm-dir``/``--prefix``) has a
 ``KVSIDECAR_*`` environment twin, named explicitly on each option rather than
@@ -66,6 +66,7 @@ def _register() -> None:
     from kvsidecar.bench.cli import bench
     from kvsidecar.cli.demo import demo
     from kvsidecar.cli.dump import dump, ls
+    from kvsidecar.cli.events import events
     from kvsidecar.cli.selfcheck import selfcheck
     from kvsidecar.cli.serve import serve
 
@@ -75,6 +76,7 @@ def _register() -> None:
     main.add_command(selfcheck)
     main.add_command(serve)
     main.add_command(demo)
+    main.add_command(events)
     _conventions(main)
 
 

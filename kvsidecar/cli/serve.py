@@ -210,6 +210,49 @@ def _telemetry_path(value: str) -> str:
         "threshold (2 s) and above the agent's idle heartbeat (1 s)."
     ),
 )
+@click.option(
+    "--kv-events.endpoint",
+    "kv_events_endpoint",
+    envvar=settings.KV_EVENTS_ENDPOINT.name,
+    default=settings.KV_EVENTS_ENDPOINT.default,
+    help=(
+        "Publish the engines' KV events (KVSIDECAR_KV_EVENTS=1 in the agent) on vLLM's ZMQ "
+        "wire, a PUB per DP rank r on this endpoint's port + r, e.g. tcp://*:5557 "
+        "(docs/kv-events.md; needs kvsidecar[kvevents]). Off when unset."
+    ),
+)
+@click.option(
+    "--kv-events.replay-endpoint",
+    "kv_events_replay_endpoint",
+    envvar=settings.KV_EVENTS_REPLAY_ENDPOINT.name,
+    default=settings.KV_EVENTS_REPLAY_ENDPOINT.default,
+    help="vLLM's replay ROUTER per DP rank (port + r); older than the buffer: the full state.",
+)
+@click.option(
+    "--kv-events.topic",
+    "kv_events_topic",
+    envvar=settings.KV_EVENTS_TOPIC.name,
+    default=settings.KV_EVENTS_TOPIC.default,
+    help="Topic frame of every message (llm-d: kv@<pod>@<model>).",
+)
+@click.option(
+    "--kv-events.buffer-steps",
+    "kv_events_buffer_steps",
+    type=click.IntRange(1, 1_000_000),
+    envvar=settings.KV_EVENTS_BUFFER_STEPS.name,
+    default=settings.KV_EVENTS_BUFFER_STEPS.default,
+    show_default=True,
+    help="Batches kept per DP rank for replay.",
+)
+@click.option(
+    "--kv-events.poll-interval",
+    "kv_events_poll_interval",
+    type=click.FloatRange(0.001, 10),
+    envvar=settings.KV_EVENTS_POLL_INTERVAL.name,
+    default=settings.KV_EVENTS_POLL_INTERVAL.default,
+    show_default=True,
+    help="Seconds between reads of a KV-event segment (one batch per read).",
+)
 @trust_options
 @click.option(
     "--ready-requires-source",
@@ -331,6 +374,7 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
     from kvsidecar.daemon.config import (
         Discovery,
         GatewayOptions,
+        KVEventsOptions,
         Polling,
         ServeConfig,
         WebOptions,
@@ -339,6 +383,10 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
     # --gateway.* -> GatewayOptions' fields by name (gateway_ranks -> ranks)
     gateway = {
         k.removeprefix("gateway_"): o.pop(k) for k in [k for k in o if k.startswith("gateway_")]
+    }
+    # --kv-events.* -> KVEventsOptions' fields by name (kv_events_topic -> topic)
+    kv_events = {
+        k.removeprefix("kv_events_"): o.pop(k) for k in [k for k in o if k.startswith("kv_events_")]
     }
     rediscover_interval = o.pop("rediscover_interval")
     config = ServeConfig(
@@ -371,6 +419,7 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
             ready_requires_source=o.pop("ready_requires_source"),
         ),
         gateway=None if gateway["address"] is None else GatewayOptions(**gateway),
+        kv_events=None if kv_events["endpoint"] is None else KVEventsOptions(**kv_events),
         max_new_targets=o.pop("max_new_targets"),
         new_target_interval=o.pop("new_target_interval"),
         otlp={k: o.pop(k) for k in [k for k in o if k.startswith("otlp_")]},  # otlp/options.py

@@ -85,6 +85,19 @@ class GatewayOptions:
 
 
 @dataclass(frozen=True)
+class KVEventsOptions:
+    """The KV-event publishers (`--kv-events.*`; docs/kv-events.md, kvsidecar/streams/).
+    Endpoints as vLLM's KVEventsConfig spells them; DP rank r uses the port + r."""
+
+    endpoint: str
+    replay_endpoint: str | None = None
+    topic: str = ""
+    buffer_steps: int = 10_000
+    poll_interval: float = 0.01
+    hwm: int = 100_000
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """Everything `kvsidecar serve` was told, in records (daemon/run.py wires them)."""
 
@@ -96,5 +109,6 @@ class ServeConfig:
     max_new_targets: int  # daemon/admission.py: burst
     new_target_interval: float  # and the seconds per further new name
     otlp: dict[str, Any] = field(default_factory=dict)  # --otlp.* (kvsidecar/otlp/options.py)
+    kv_events: KVEventsOptions | None = None  # None: off
     hold_on_error: bool = False
     allow_root: bool = False

@@ -147,6 +147,24 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
         if gateway is not None:
             gateway.shutdown()
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
+    kv_events = None
+    if config.kv_events is not None:
+        try:
+            from kvsidecar.streams.kv_events_zmq import KVEventsService
+        except ImportError as e:
+            _start_error(
+                f"--kv-events.endpoint needs pyzmq ({e}): pip install 'kvsidecar[kvevents]'"
+            )
+            if gateway is not None:
+                gateway.shutdown()
+            server.shutdown()
+            _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
+        kv_events = KVEventsService(
+            config.kv_events,
+            discovery.shm_dir,
+            allowed_uids=discovery.allowed_uids,
+            rediscover_interval=discovery.rediscover_interval,
+        )
     # Warned once serving is sure: a start-up error stays the one line that names its fix.
     if not config.allow_root:
         warn_if_root(log)
@@ -154,6 +172,8 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
     targets.start()
     if daemon.otlp_pusher is not None:
         daemon.otlp_pusher.start()
+    if kv_events is not None:
+        kv_events.start()
     scheme = "https" if server.tls else "http"
     log.info(
         "kvsidecar %s serving %s on %s (%s), shm_dir=%s prefix=%s",
@@ -175,6 +195,8 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
             log.info("received SIGHUP, reloading the web config")
             server.reload()
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
+    if kv_events is not None:
+        kv_events.stop()
     if gateway is not None:
         gateway.shutdown()
     server.shutdown()

@@ -311,6 +311,19 @@ LATCH_FN int latch_read(const uint8_t *base, uint32_t off, uint32_t stride, uint
 
 #ifndef KVSIDECAR_LATCH_ONLY
 
+/* In a Python wrapper holding the buffer `seg`: from here on, a SIGBUS (the segment's
+ * pages gone under us) releases seg and raises OSError instead of killing the process.
+ * A macro: sigsetjmp must run in the wrapper's own frame. */
+#define GUARD_SEG_OR_RAISE()                                                                  \
+    sigjmp_buf jb;                                                                            \
+    if (sigsetjmp(jb, 0) != 0) {                                                              \
+        guard_clear();                                                                        \
+        PyBuffer_Release(&seg);                                                               \
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)"); \
+        return NULL;                                                                          \
+    }                                                                                         \
+    guard_set(&jb)
+
 /* record_error(segment, code): count a failed publish in the header (not the payload),
  * so a reader sees it even when no snapshot could ever be published. Failure path only. */
 static PyObject *py_record_error(PyObject *self, PyObject *args) {
@@ -324,14 +337,7 @@ static PyObject *py_record_error(PyObject *self, PyObject *args) {
         return NULL;
     }
     uint8_t *base = seg.buf;
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_clear();
-        PyBuffer_Release(&seg);
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        return NULL;
-    }
-    guard_set(&jb);
+    GUARD_SEG_OR_RAISE();
     /* Aligned single stores: a reader never sees a torn counter. One writer thread, so a
      * relaxed load + store is an increment. */
     uint64_t *n = (uint64_t *)(base + OFF_PUBLISH_ERRORS);
@@ -343,6 +349,320 @@ static PyObject *py_record_error(PyObject *self, PyObject *args) {
     guard_clear();
     PyBuffer_Release(&seg);
     Py_RETURN_NONE;
+}
+
+/* ------------------- KV events: per-slot seqlock + ring ------------------- */
+/* The KV-event segment (docs/segment-format.md, "KV-event segment"; layout in
+ * kv_events_layout.py). Two structures, one writer thread:
+ *
+ *   table slot (one per block): u64 seq, then the slot's fields. A classic seqlock:
+ *     writer: s = seq; seq = s+1 (odd); fence_release (K1); fields; fence_release (K2);
+ *             seq = s+2
+ *     reader: s1 = load_acquire(seq); odd: retry; copy; fence_acquire (K3);
+ *             seq == s1 or retry
+ *   ring of change records, head (u64) = number of the last record written (1-based):
+ *     writer: fence_release (K4); record n at ((n-1) & (cap-1)); fence_release (K5);
+ *             head = n
+ *     reader: h = load_acquire(head); copy records; fence_acquire (K6); h2 = load(head);
+ *             record i is intact iff i > h2 - cap + 1 (record i+cap, which overwrites
+ *             it, is written only once head reached i+cap-1).
+ * The writer never reads what a reader writes (readers map the file read-only). */
+
+static int kv_bounds(Py_ssize_t len, Py_ssize_t off, Py_ssize_t n) {
+    return off >= 0 && n >= 0 && (off & 7) == 0 && off <= len && n <= len - off;
+}
+
+/* kv_commit(seg, slot_off, slot_data, clear_mask, rec_off, rec_data, head_off) -> head
+ * slot_off < 0: no slot write. Else the slot at slot_off is rewritten under its seqlock:
+ * slot_data (may be empty) lands at slot_off + 8, then the flags byte at
+ * slot_off + KV_SLOT_FLAGS_AT loses clear_mask. Then, unless rec_off < 0 (returns 0),
+ * rec_data is appended at rec_off and head (u64 at head_off) is incremented; returns the
+ * new head. One call per event: no
+ * system call, no lock, no allocation. */
+#define KV_SLOT_FLAGS_AT 36
+static PyObject *py_kv_commit(PyObject *self, PyObject *args) {
+    Py_buffer seg, slot, rec;
+    Py_ssize_t slot_off, rec_off, head_off;
+    unsigned int clear_mask;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*ny*Iny*n", &seg, &slot_off, &slot, &clear_mask, &rec_off,
+                          &rec, &head_off))
+        return NULL;
+    PyObject *result = NULL;
+    Py_ssize_t len = seg.len;
+    if ((slot_off >= 0 && (!kv_bounds(len, slot_off, 8 + slot.len) ||
+                           !kv_bounds(len, slot_off, KV_SLOT_FLAGS_AT + 1))) ||
+        (rec_off >= 0 && (!kv_bounds(len, rec_off, rec.len) || !kv_bounds(len, head_off, 8)))) {
+        PyErr_SetString(PyExc_ValueError, "kv_commit: offset out of the segment");
+        goto done;
+    }
+    uint8_t *base = seg.buf;
+    uint64_t head;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        goto done;
+    }
+    guard_set(&jb);
+    if (slot_off >= 0) {
+        uint64_t *seqp = (uint64_t *)(base + slot_off);
+        uint64_t s = __atomic_load_n(seqp, __ATOMIC_RELAXED) & ~(uint64_t)1;
+        __atomic_store_n(seqp, s + 1, __ATOMIC_RELAXED);
+        __atomic_thread_fence(__ATOMIC_RELEASE); /* K1: odd before the fields */
+        if (slot.len) memcpy(base + slot_off + 8, slot.buf, (size_t)slot.len);
+        if (clear_mask) base[slot_off + KV_SLOT_FLAGS_AT] &= (uint8_t)~clear_mask;
+        __atomic_thread_fence(__ATOMIC_RELEASE); /* K2: the fields before even */
+        __atomic_store_n(seqp, s + 2, __ATOMIC_RELAXED);
+    }
+    if (rec_off < 0) { /* a slot alone (a name-table entry): no record */
+        guard_clear();
+        result = PyLong_FromLong(0);
+        goto done;
+    }
+    uint64_t *headp = (uint64_t *)(base + head_off);
+    head = __atomic_load_n(headp, __ATOMIC_RELAXED) + 1;
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* K4: the previous head before this record */
+    memcpy(base + rec_off, rec.buf, (size_t)rec.len);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* K5: the record before the head */
+    __atomic_store_n(headp, head, __ATOMIC_RELAXED);
+    guard_clear();
+    result = PyLong_FromUnsignedLongLong(head);
+done:
+    PyBuffer_Release(&seg);
+    PyBuffer_Release(&slot);
+    PyBuffer_Release(&rec);
+    return result;
+}
+
+/* kv_store_u64(seg, off, value): fence_release, then one aligned 8-byte store. */
+static PyObject *py_kv_store_u64(PyObject *self, PyObject *args) {
+    Py_buffer seg;
+    Py_ssize_t off;
+    unsigned long long v;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "w*nK", &seg, &off, &v)) return NULL;
+    if (!kv_bounds(seg.len, off, 8)) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "kv_store_u64: offset out of the segment");
+        return NULL;
+    }
+    GUARD_SEG_OR_RAISE();
+    __atomic_thread_fence(__ATOMIC_RELEASE);
+    __atomic_store_n((uint64_t *)((uint8_t *)seg.buf + off), (uint64_t)v, __ATOMIC_RELAXED);
+    guard_clear();
+    PyBuffer_Release(&seg);
+    Py_RETURN_NONE;
+}
+
+/* kv_load_u64(seg, off) -> int: one aligned 8-byte acquire load (guarded). */
+static PyObject *py_kv_load_u64(PyObject *self, PyObject *args) {
+    Py_buffer seg;
+    Py_ssize_t off;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*n", &seg, &off)) return NULL;
+    if (!kv_bounds(seg.len, off, 8)) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "kv_load_u64: offset out of the segment");
+        return NULL;
+    }
+    install_guard();
+    uint64_t v = 0;
+    GUARD_SEG_OR_RAISE();
+    v = __atomic_load_n((const uint64_t *)((const uint8_t *)seg.buf + off), __ATOMIC_ACQUIRE);
+    guard_clear();
+    PyBuffer_Release(&seg);
+    return PyLong_FromUnsignedLongLong(v);
+}
+
+/* kv_slot_read(seg, off, n, retries) -> bytes | None: a consistent copy of the n bytes of
+ * the slot at off (its seq first, always even), or None if every attempt met a write. */
+static PyObject *py_kv_slot_read(PyObject *self, PyObject *args) {
+    Py_buffer seg;
+    Py_ssize_t off, n;
+    int retries;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nni", &seg, &off, &n, &retries)) return NULL;
+    if (n < 8 || !kv_bounds(seg.len, off, n)) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "kv_slot_read: slot out of the segment");
+        return NULL;
+    }
+    install_guard();
+    PyObject *out = PyBytes_FromStringAndSize(NULL, n);
+    if (out == NULL) {
+        PyBuffer_Release(&seg);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+    const uint8_t *src = (const uint8_t *)seg.buf + off;
+    const uint64_t *seqp = (const uint64_t *)src;
+    int ok = 0, attempt;
+    for (attempt = 0; attempt < retries && !ok; attempt++) {
+        sigjmp_buf jb;
+        if (sigsetjmp(jb, 0) != 0) {
+            guard_clear();
+            Py_DECREF(out);
+            PyBuffer_Release(&seg);
+            PyErr_SetString(PyExc_OSError,
+                            "segment pages are gone (truncated by another process)");
+            return NULL;
+        }
+        guard_set(&jb);
+        uint64_t s1 = __atomic_load_n(seqp, __ATOMIC_ACQUIRE);
+        if (!(s1 & 1)) {
+            memcpy(dst, src, (size_t)n);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE); /* K3: the copy before the re-check */
+            uint64_t s2 = __atomic_load_n(seqp, __ATOMIC_RELAXED);
+            if (s2 == s1) {
+                memcpy(dst, &s1, 8);
+                ok = 1;
+            }
+        }
+        guard_clear();
+    }
+    PyBuffer_Release(&seg);
+    if (!ok) {
+        Py_DECREF(out);
+        Py_RETURN_NONE;
+    }
+    return out;
+}
+
+/* kv_ring_read(seg, head_off, ring_off, rec_size, cap, first, max_n)
+ *   -> (head, first_intact, data)
+ * Copies records first .. min(head, first + max_n - 1) (data: their bytes in order) and
+ * reports head (the last written, loaded before the copy) and first_intact, the oldest
+ * record number that was certainly not being overwritten during the copy (head after the
+ * copy - cap + 2, at least 1). The caller checks first >= first_intact: else it lost its
+ * place (overrun) and must not use data. cap is a power of two. */
+static PyObject *py_kv_ring_read(PyObject *self, PyObject *args) {
+    Py_buffer seg;
+    Py_ssize_t head_off, ring_off, rec_size, max_n;
+    unsigned long long cap, first;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnnKKn", &seg, &head_off, &ring_off, &rec_size, &cap, &first,
+                          &max_n))
+        return NULL;
+    if (cap == 0 || (cap & (cap - 1)) != 0 || rec_size <= 0 || first == 0 || max_n < 0 ||
+        !kv_bounds(seg.len, head_off, 8) || cap > (unsigned long long)PY_SSIZE_T_MAX / rec_size ||
+        !kv_bounds(seg.len, ring_off, (Py_ssize_t)cap * rec_size)) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "kv_ring_read: bad ring geometry");
+        return NULL;
+    }
+    install_guard();
+    const uint8_t *base = seg.buf;
+    const uint64_t *headp = (const uint64_t *)(base + head_off);
+    uint64_t head = 0, head2 = 0;
+    PyObject *volatile data = NULL; /* live across sigsetjmp */
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        Py_XDECREF(data);
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        return NULL;
+    }
+    guard_set(&jb);
+    head = __atomic_load_n(headp, __ATOMIC_ACQUIRE);
+    guard_clear();
+    uint64_t last = head;
+    if (first > head) last = first - 1; /* nothing new */
+    else if (last - first + 1 > (uint64_t)max_n) last = first - 1 + (uint64_t)max_n;
+    if (last - (first - 1) > cap) last = first - 1 + cap; /* never more than the ring */
+    Py_ssize_t count = (Py_ssize_t)(last - (first - 1));
+    data = PyBytes_FromStringAndSize(NULL, count * rec_size);
+    if (data == NULL) {
+        PyBuffer_Release(&seg);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(data);
+    guard_set(&jb);
+    for (uint64_t i = first; i <= last; i++) {
+        memcpy(dst, base + ring_off + ((i - 1) & (cap - 1)) * (uint64_t)rec_size,
+               (size_t)rec_size);
+        dst += rec_size;
+    }
+    __atomic_thread_fence(__ATOMIC_ACQUIRE); /* K6: the copies before the re-check */
+    head2 = __atomic_load_n(headp, __ATOMIC_RELAXED);
+    guard_clear();
+    PyBuffer_Release(&seg);
+    uint64_t intact = head2 + 2 > cap ? head2 + 2 - cap : 1;
+    if (intact < 1) intact = 1;
+    PyObject *result = Py_BuildValue("KKN", (unsigned long long)head, (unsigned long long)intact,
+                                     data);
+    return result;
+}
+
+/* kv_table_scan(seg, table_off, stride, n_slots, epoch, start, max_out, retries)
+ *   -> (next, data)
+ * From slot start on, a seqlock-consistent copy (stride bytes; its first 8 bytes hold the
+ * slot's number instead of its seq) of each slot
+ * whose flags have CACHED and whose epoch (u32 at +32) equals epoch, until max_out copies
+ * or the end; next is the slot to continue from (n_slots: done). A slot met mid-write on
+ * every attempt is skipped: its change is in the ring after any head loaded before. */
+static PyObject *py_kv_table_scan(PyObject *self, PyObject *args) {
+    Py_buffer seg;
+    Py_ssize_t table_off, stride, n_slots, start, max_out;
+    unsigned int epoch;
+    int retries;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "y*nnnInni", &seg, &table_off, &stride, &n_slots, &epoch, &start,
+                          &max_out, &retries))
+        return NULL;
+    if (stride < KV_SLOT_FLAGS_AT + 1 || n_slots < 0 || start < 0 || max_out < 1 ||
+        n_slots > PY_SSIZE_T_MAX / stride || !kv_bounds(seg.len, table_off, n_slots * stride) ||
+        (stride & 7) != 0) {
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_ValueError, "kv_table_scan: bad table geometry");
+        return NULL;
+    }
+    install_guard();
+    PyObject *volatile out = PyBytes_FromStringAndSize(NULL, max_out * stride);
+    if (out == NULL) {
+        PyBuffer_Release(&seg);
+        return NULL;
+    }
+    uint8_t *dst = (uint8_t *)PyBytes_AS_STRING(out);
+    const uint8_t *table = (const uint8_t *)seg.buf + table_off;
+    volatile Py_ssize_t got = 0, slot;
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        Py_DECREF(out);
+        PyBuffer_Release(&seg);
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        return NULL;
+    }
+    guard_set(&jb);
+    for (slot = start; slot < n_slots && got < max_out; slot++) {
+        const uint8_t *src = table + slot * stride;
+        const uint64_t *seqp = (const uint64_t *)src;
+        uint8_t *d = dst + got * stride;
+        for (int attempt = 0; attempt < retries; attempt++) {
+            uint64_t s1 = __atomic_load_n(seqp, __ATOMIC_ACQUIRE);
+            if (s1 & 1) continue;
+            if (!(src[KV_SLOT_FLAGS_AT] & 1) || ld32(src + 32) != epoch) {
+                /* not cached now: confirm with the sequence, or it was being written */
+                __atomic_thread_fence(__ATOMIC_ACQUIRE);
+                if (__atomic_load_n(seqp, __ATOMIC_RELAXED) == s1) break;
+                continue;
+            }
+            memcpy(d, src, (size_t)stride);
+            __atomic_thread_fence(__ATOMIC_ACQUIRE); /* K3 */
+            if (__atomic_load_n(seqp, __ATOMIC_RELAXED) != s1) continue;
+            if (!(d[KV_SLOT_FLAGS_AT] & 1) || ld32(d + 32) != epoch) break;
+            uint64_t index = (uint64_t)slot; /* the copy's first 8 bytes: its slot */
+            memcpy(d, &index, 8);
+            got++;
+            break;
+        }
+    }
+    guard_clear();
+    PyBuffer_Release(&seg);
+    if (got < max_out && _PyBytes_Resize((PyObject **)&out, got * stride) < 0) return NULL;
+    return Py_BuildValue("nN", (Py_ssize_t)slot, out);
 }
 
 /* ---------------------------- Python wrappers ---------------------------- */
@@ -380,14 +700,7 @@ static PyObject *py_heartbeat(PyObject *self, PyObject *arg) {
         return NULL;
     }
     uint8_t *base = seg.buf;
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_clear();
-        PyBuffer_Release(&seg);
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        return NULL;
-    }
-    guard_set(&jb);
+    GUARD_SEG_OR_RAISE();
     __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_MONO), now_ns(CLOCK_MONOTONIC),
                      __ATOMIC_RELAXED);
     __atomic_store_n((uint64_t *)(base + OFF_HEARTBEAT_WALL), now_ns(CLOCK_REALTIME),
@@ -534,6 +847,17 @@ static PyMethodDef methods[] = {
     {"crc32", py_crc32, METH_O, "crc32(data) -> int, identical to zlib.crc32."},
     {"install_sigbus_guard", py_install_sigbus_guard, METH_NOARGS,
      "Install the SIGBUS handler that turns faults in guarded copies into errors."},
+    {"kv_commit", py_kv_commit, METH_VARARGS,
+     "kv_commit(seg, slot_off, slot_data, clear_mask, rec_off, rec_data, head_off) -> head."},
+    {"kv_store_u64", py_kv_store_u64, METH_VARARGS, "kv_store_u64(seg, off, value): release store."},
+    {"kv_load_u64", py_kv_load_u64, METH_VARARGS, "kv_load_u64(seg, off) -> int: acquire load."},
+    {"kv_slot_read", py_kv_slot_read, METH_VARARGS,
+     "kv_slot_read(seg, off, n, retries) -> bytes or None: a seqlock-consistent slot copy."},
+    {"kv_ring_read", py_kv_ring_read, METH_VARARGS,
+     "kv_ring_read(seg, head_off, ring_off, rec_size, cap, first, max_n) -> (head, intact, data)."},
+    {"kv_table_scan", py_kv_table_scan, METH_VARARGS,
+     "kv_table_scan(seg, table_off, stride, n_slots, epoch, start, max_out, retries)"
+     " -> (next, data): cached slots, seqlock-consistent."},
     {"fence_acquire", py_fence_acquire, METH_NOARGS, "atomic_thread_fence(acquire)."},
     {"fence_release", py_fence_release, METH_NOARGS, "atomic_thread_fence(release)."},
     {NULL, NULL, 0, NULL},
@@ -556,6 +880,7 @@ PyMODINIT_FUNC PyInit__seqlock(void) {
     PyModule_AddIntConstant(m, "SIGBUS", ST_SIGBUS);
     PyModule_AddIntConstant(m, "BAD_SLOT", ST_BAD_SLOT);
     PyModule_AddIntConstant(m, "TRUNCATED", ST_TRUNCATED);
+    PyModule_AddIntConstant(m, "KV_SLOT_FLAGS_AT", KV_SLOT_FLAGS_AT);
     PyModule_AddIntConstant(m, "OFF_PUBLISHED_SEQ", OFF_PUBLISHED_SEQ);
     PyModule_AddIntConstant(m, "OFF_HEARTBEAT_MONO", OFF_HEARTBEAT_MONO);
     PyModule_AddIntConstant(m, "OFF_HEARTBEAT_WALL", OFF_HEARTBEAT_WALL);

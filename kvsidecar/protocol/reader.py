@@ -164,7 +164,46 @@ class Reading(msgspec.Struct, frozen=True):
         return max(0.0, (now - self.heartbeat_mono_ns) / 1e9)
 
 
-class SegmentReader:
+class MappedFile:
+    """A read-only attachment to one file of the shm directory (one incarnation of it):
+    what the snapshot and KV-event readers share. Subclasses set the attributes below
+    in ``__init__`` and attach (`open_mapped`)."""
+
+    name: str
+    shm_dir: str
+    _path: str | None
+    fd: int
+    mm: mmap.mmap | None
+    inode: int
+
+    @property
+    def path(self) -> str:
+        return self._path or segment_path(self.name, self.shm_dir)
+
+    def replaced(self) -> bool:
+        """True if the name now points to another file (restart) or to nothing (unlinked)."""
+        try:
+            st = os.stat(self.path, follow_symlinks=False)
+        except (OSError, InvalidName):
+            return True
+        return st.st_ino != self.inode
+
+    def close(self) -> None:
+        if self.mm is not None:
+            self.mm.close()
+            self.mm = None
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class SegmentReader(MappedFile):
     """A read-only attachment to one segment (one incarnation of it)."""
 
     def __init__(
@@ -192,10 +231,6 @@ class SegmentReader:
         self._named: tuple[int, int] | None = None
         self._decoder = msgspec.msgpack.Decoder(Snapshot)
 
-    @property
-    def path(self) -> str:
-        return self._path or segment_path(self.name, self.shm_dir)
-
     # -- attach -----------------------------------------------------------------
 
     def attach(self) -> ReadError | None:
@@ -205,52 +240,23 @@ class SegmentReader:
             path = self.path
         except InvalidName as e:
             return Refused(str(e))
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
-        except FileNotFoundError:
-            return NotFound(f"segment {path} not found: is the engine's agent running?")
-        except OSError as e:
-            if e.errno == errno.ELOOP:
-                return Refused(f"{path} is a symlink: refused (segments are never followed)")
-            if e.errno == errno.EACCES:
-                return Refused(
-                    f"permission denied on {path}: run the daemon in the engine's group "
-                    "(segments are 0640)"
-                )
-            return Refused(f"cannot open {path}: {e.strerror}")
-        error = self._validate_and_map(fd, path)
-        if error is not None:
-            os.close(fd)
-        return error
-
-    def _validate_and_map(self, fd: int, path: str) -> ReadError | None:
-        st = os.fstat(fd)
-        if not stat.S_ISREG(st.st_mode):
-            return Refused(f"{path} is not a regular file (FIFO/device?): refused")
-        if self.allowed_uids is not None and st.st_uid not in self.allowed_uids:
-            return Refused(
-                f"{path} is owned by uid {st.st_uid}, not an allowed writer: "
-                "pass --allow-uid to trust it"
-            )
-        if st.st_size == 0:
-            return NotReady(f"{path} is empty (a writer died while creating it?)")
-        if st.st_size < layout.PAGE or st.st_size > layout.MAX_SEGMENT_SIZE:
-            return Corrupt(f"{path} has an impossible size {st.st_size}: not a kvsidecar segment")
-        try:
-            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, access=mmap.ACCESS_READ, **_MMAP_KWARGS)
-        except (OSError, ValueError) as e:
-            return Refused(f"cannot map {path}: {e}")
+        opened = open_mapped(path, self.allowed_uids, layout.MAX_SEGMENT_SIZE, "kvsidecar segment")
+        if isinstance(opened, ReadError):
+            return opened
+        fd, mm, st = opened
         raw = _seqlock.copy_range(mm, 0, layout.HEADER_LEN)
-        if raw is None:
-            mm.close()
-            return Corrupt(f"{path} was truncated while attaching")
-        header = layout.Header(raw)
-        error = check_header(header, st.st_size, path)
+        error: ReadError | None = None
         caps = None
-        if error is None:
-            caps, error = _read_directory(mm, header, path)
+        if raw is None:
+            error = Corrupt(f"{path} was truncated while attaching")
+        else:
+            header = layout.Header(raw)
+            error = check_header(header, st.st_size, path)
+            if error is None:
+                caps, error = _read_directory(mm, header, path)
         if error is not None:
             mm.close()
+            os.close(fd)
             return error
         self.fd, self.mm, self.inode = fd, mm, st.st_ino
         self.header, self.capabilities = header, caps
@@ -353,27 +359,61 @@ class SegmentReader:
         except OSError:
             return False
 
-    def replaced(self) -> bool:
-        """True if the name now points to another file (restart) or to nothing (unlinked)."""
+
+def open_for_reading(path: str) -> int | ReadError:
+    """``O_RDONLY|O_NOFOLLOW|O_NONBLOCK``: the descriptor, or why not (one line)."""
+    try:
+        return os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return NotFound(f"segment {path} not found: is the engine's agent running?")
+    except OSError as e:
+        if e.errno == errno.ELOOP:
+            return Refused(f"{path} is a symlink: refused (segments are never followed)")
+        if e.errno == errno.EACCES:
+            return Refused(
+                f"permission denied on {path}: run the daemon in the engine's group "
+                "(segments are 0640)"
+            )
+        return Refused(f"cannot open {path}: {e.strerror}")
+
+
+def open_mapped(
+    path: str, allowed_uids: frozenset[int] | None, max_size: int, what: str
+) -> tuple[int, mmap.mmap, os.stat_result] | ReadError:
+    """Open read-only, check the file (regular, owner, a size between a page and max_size)
+    and map exactly its size with PROT_READ: (fd, map, stat), or why not (fd closed)."""
+    fd = open_for_reading(path)
+    if isinstance(fd, ReadError):
+        return fd
+    st = os.fstat(fd)
+    error = file_refusal(st, path, allowed_uids)
+    if error is None and st.st_size == 0:
+        error = NotReady(f"{path} is empty (a writer died while creating it?)")
+    elif error is None and not layout.PAGE <= st.st_size <= max_size:
+        error = Corrupt(f"{path} has an impossible size {st.st_size}: not a {what}")
+    if error is None:
         try:
-            st = os.stat(self.path, follow_symlinks=False)
-        except (OSError, InvalidName):
-            return True
-        return st.st_ino != self.inode
+            mm = mmap.mmap(fd, st.st_size, mmap.MAP_SHARED, access=mmap.ACCESS_READ, **_MMAP_KWARGS)
+        except (OSError, ValueError) as e:
+            error = Refused(f"cannot map {path}: {e}")
+    if error is not None:
+        os.close(fd)
+        return error
+    return fd, mm, st
 
-    def close(self) -> None:
-        if self.mm is not None:
-            self.mm.close()
-            self.mm = None
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
-    def __enter__(self) -> SegmentReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+def file_refusal(
+    st: os.stat_result, path: str, allowed_uids: frozenset[int] | None
+) -> ReadError | None:
+    """A file that is not regular, or whose owner is not allowed: refused, with why."""
+    if not stat.S_ISREG(st.st_mode):
+        return Refused(f"{path} is not a regular file (FIFO/device?): refused")
+    if allowed_uids is not None and st.st_uid not in allowed_uids:
+        return Refused(
+            f"{path} is owned by uid {st.st_uid}, not an allowed writer: "
+            "pass --allow-uid to trust it"
+        )
+    return None
 
 
 def array_len(raw: bytes | memoryview) -> int | None:

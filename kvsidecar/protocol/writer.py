@@ -39,7 +39,7 @@ import stat
 import struct
 import time
 import weakref
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 import msgspec
 
@@ -82,6 +82,9 @@ class SegmentSquattedError(SegmentError):
 # uid; wait this long for it, never forever (the engine must start).
 _INSTALL_LOCK_WAIT_S = 2.0
 _GENERATION = struct.Struct("<Q")
+# The files a supervisor may close for its dead children (close_for_writers): snapshot
+# segments and KV-event segments (kv_events_layout.MAGIC; not imported: it imports us).
+_MAGICS = (layout.MAGIC, b"KVSCEVT1")
 
 
 def _enc_hook(obj: object) -> object:
@@ -98,19 +101,17 @@ def _enc_hook(obj: object) -> object:
         raise NotImplementedError(f"cannot encode {type(obj).__name__}") from None
 
 
-class SegmentWriter:
-    """Owns one segment for the life of an agent. Not thread-safe: one engine thread publishes."""
+class SegmentFile:
+    """One file in the shm directory, owned by one writer for its life: the careful
+    creation (module doc, steps 1-6), liveness locks, install under the name's lock,
+    clean close and fork safety. Shared by the snapshot segment (`SegmentWriter`) and
+    the KV-event segment (`kv_events_writer.KVEventsWriter`): both files start with the
+    same 56 bytes (magic, versions, state, size, incarnation, generation, pid, uid, start
+    time; segment-format.md). Subclasses set MAGIC and build their bytes in ``fill``."""
 
-    def __init__(
-        self,
-        name: str,
-        *,
-        shm_dir: str = DEFAULT_SHM_DIR,
-        mode: int = DEFAULT_MODE,
-        group: str | int | None = None,
-        slot_capacity: int = layout.DEFAULT_SLOT_CAPACITY,
-        capabilities: Capabilities | None = None,
-    ) -> None:
+    MAGIC = layout.MAGIC
+
+    def __init__(self, name: str, *, shm_dir: str, mode: int) -> None:
         self.name = validate_name(name)
         self.shm_dir = shm_dir
         self.path = segment_path(name, shm_dir)
@@ -123,47 +124,26 @@ class SegmentWriter:
         self._mm: mmap.mmap | None = None
         self._closed = False
         self._faulted = False
-        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
-        caps = capabilities or current_capabilities()
-        directory = msgspec.msgpack.encode(caps)
-        slot_off, slot_stride, total = layout.plan(len(directory), slot_capacity)
-        # Never create what every reader refuses (segment-format.md sections 1 and 4).
-        if total > layout.MAX_SEGMENT_SIZE:
-            raise SegmentError(
-                f"slot_capacity {slot_capacity} makes a {total}-byte segment > "
-                f"{layout.MAX_SEGMENT_SIZE} (the largest a reader accepts): use a smaller slot"
-            )
-        wrong = field_order_error(caps)
-        if wrong is not None:
-            raise SegmentError(
-                f"capabilities: {wrong}: names must keep this major's order, each once"
-            )
-        if len(directory) > MAX_DIRECTORY_BYTES:
-            raise SegmentError(
-                f"directory of {len(directory)} bytes > {MAX_DIRECTORY_BYTES}: "
-                "fewer or shorter field names"
-            )
-        self._buf = bytearray(slot_capacity)
-        self._publish = _seqlock.publish
-        self.total_size = total
-        self.slot_capacity = slot_capacity
-        self._create(directory, slot_off, slot_stride, slot_capacity, total, group)
+
+    def _after_create(self) -> None:
         # A truncation of our file by another process becomes an OSError, not a SIGBUS.
         _seqlock.install_sigbus_guard()
         ref = weakref.ref(self)
         os.register_at_fork(after_in_child=lambda: _after_fork(ref))
 
+    def _extra_locks(self, fd: int) -> None:
+        """Locks beyond the OFD write lock (the snapshot segment's flock for v1.0 readers)."""
+
+    def _legacy_live(self, raw: bytes, fd: int) -> bool:
+        """Whether a predecessor of our kind (raw: its header) lives by an older rule."""
+        return False
+
     # -- creation ---------------------------------------------------------------
 
     def _create(
-        self,
-        directory: bytes,
-        slot_off: int,
-        slot_stride: int,
-        slot_capacity: int,
-        total: int,
-        group: str | int | None,
+        self, total: int, group: str | int | None, fill: Callable[[mmap.mmap], None]
     ) -> None:
+        """Steps 1-6 of the module doc; ``fill(mm)`` writes every byte but the magic."""
         gid = None
         if group is not None:
             try:
@@ -184,30 +164,11 @@ class SegmentWriter:
             os.ftruncate(fd, total)
             _preallocate(fd, total, self.shm_dir)
             mm = mmap.mmap(fd, total, mmap.MAP_SHARED, mmap.PROT_READ | mmap.PROT_WRITE)
-            dir_off = layout.HEADER_LEN
-            mm[dir_off : dir_off + len(directory)] = directory
-            header = layout.pack_header(
-                magic=b"\0" * 8,
-                state=layout.STATE_READY,
-                total_size=total,
-                incarnation=self.incarnation,
-                generation=self.generation,  # final value set under the install lock
-                writer_pid=os.getpid() & 0xFFFFFFFF,
-                writer_uid=os.getuid() & 0xFFFFFFFF,
-                start_wall_ns=time.time_ns(),
-                dir_off=dir_off,
-                dir_len=len(directory),
-                slot_off=slot_off,
-                slot_stride=slot_stride,
-                slot_capacity=slot_capacity,
-                dir_crc=_seqlock.crc32(directory),
-            )
-            mm[0 : layout.HEADER_LEN] = header
-            _seqlock.heartbeat(mm)
+            fill(mm)
             _seqlock.fence_release()  # everything above before the magic
-            mm[0:8] = layout.MAGIC
+            mm[0:8] = self.MAGIC
             liveness.lock_for_life(fd)  # our own new inode: nobody else can hold a lock yet
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # for layout v1.0 readers
+            self._extra_locks(fd)
             self._install(tmp, fd, mm)
         except BaseException:
             os.close(fd)
@@ -257,68 +218,17 @@ class SegmentWriter:
             raise SegmentError(f"cannot open {self.path} to check it: {e.strerror}") from e
         try:
             raw = os.pread(fd, layout.HEADER_LEN, 0)
-            header = None
-            if len(raw) == layout.HEADER_LEN and raw[:8] == layout.MAGIC:
-                header = layout.Header(raw)
-            # A read lock (all a reader can take) is not a writer; flock only for a v1.0
-            # writer, which has no OFD lock (and whose flock a reader could also hold).
-            live = liveness.write_locked(fd) or (
-                header is not None
-                and header.minor < layout.MINOR_OFD_LIVENESS
-                and liveness.flock_held(fd)
-            )
+            ours = len(raw) == layout.HEADER_LEN and raw[:8] == self.MAGIC
+            # A read lock (all a reader can take) is not a writer.
+            live = liveness.write_locked(fd) or (ours and self._legacy_live(raw, fd))
             if live:
                 raise SegmentBusyError(
                     f"segment {self.name} is owned by a live writer: give this rank a "
                     "distinct name (engine/rank) or stop the other process"
                 )
-            return header.generation if header is not None else 0
+            return _GENERATION.unpack_from(raw, layout.OFF_GENERATION)[0] if ours else 0
         finally:
             os.close(fd)
-
-    # -- hot path ---------------------------------------------------------------
-
-    def publish(self, snapshot: Snapshot) -> int:
-        """Encode and publish one snapshot; returns its sequence number (0 if closed).
-
-        A failure is counted in the header (`record_error`) and re-raised.
-        """
-        mm = self._mm
-        if mm is None:
-            return 0
-        try:  # zero-cost in CPython 3.11+ until something raises
-            self._encoder.encode_into(snapshot, self._buf)
-        except Exception:
-            self.record_error(layout.PUBLISH_ERR_ENCODE)
-            raise
-        try:
-            return self._publish(mm, self._buf)
-        except ValueError:  # the payload does not fit a slot
-            self.record_error(layout.PUBLISH_ERR_TOO_LARGE)
-            raise
-
-    def record_error(self, code: int) -> None:
-        """Count a failed publish in the header (publish_errors_total, last code and time).
-
-        Outside the payload, so a reader sees it even if nothing was ever published. Never
-        raises (a truncated segment is the publish's own error to report).
-        """
-        if self._mm is not None:
-            try:
-                _seqlock.record_error(self._mm, code)
-            except (OSError, ValueError):
-                pass
-
-    def publish_bytes(self, payload: bytes | bytearray | memoryview) -> int:
-        mm = self._mm
-        if mm is None:
-            return 0
-        return self._publish(mm, payload)
-
-    def heartbeat(self) -> None:
-        """Refresh the heartbeat without a new snapshot (an idle engine is not a hung one)."""
-        if self._mm is not None:
-            _seqlock.heartbeat(self._mm)
 
     # -- teardown ---------------------------------------------------------------
 
@@ -411,6 +321,122 @@ class SegmentWriter:
             pass
 
 
+class SegmentWriter(SegmentFile):
+    """Owns one segment for the life of an agent. Not thread-safe: one engine thread publishes."""
+
+    def __init__(
+        self,
+        name: str,
+        *,
+        shm_dir: str = DEFAULT_SHM_DIR,
+        mode: int = DEFAULT_MODE,
+        group: str | int | None = None,
+        slot_capacity: int = layout.DEFAULT_SLOT_CAPACITY,
+        capabilities: Capabilities | None = None,
+    ) -> None:
+        super().__init__(name, shm_dir=shm_dir, mode=mode)
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=_enc_hook)
+        caps = capabilities or current_capabilities()
+        directory = msgspec.msgpack.encode(caps)
+        slot_off, slot_stride, total = layout.plan(len(directory), slot_capacity)
+        # Never create what every reader refuses (segment-format.md sections 1 and 4).
+        if total > layout.MAX_SEGMENT_SIZE:
+            raise SegmentError(
+                f"slot_capacity {slot_capacity} makes a {total}-byte segment > "
+                f"{layout.MAX_SEGMENT_SIZE} (the largest a reader accepts): use a smaller slot"
+            )
+        wrong = field_order_error(caps)
+        if wrong is not None:
+            raise SegmentError(
+                f"capabilities: {wrong}: names must keep this major's order, each once"
+            )
+        if len(directory) > MAX_DIRECTORY_BYTES:
+            raise SegmentError(
+                f"directory of {len(directory)} bytes > {MAX_DIRECTORY_BYTES}: "
+                "fewer or shorter field names"
+            )
+        self._buf = bytearray(slot_capacity)
+        self._publish = _seqlock.publish
+        self.total_size = total
+        self.slot_capacity = slot_capacity
+
+        def fill(mm: mmap.mmap) -> None:
+            dir_off = layout.HEADER_LEN
+            mm[dir_off : dir_off + len(directory)] = directory
+            mm[0 : layout.HEADER_LEN] = layout.pack_header(
+                magic=b"\0" * 8,
+                state=layout.STATE_READY,
+                total_size=total,
+                incarnation=self.incarnation,
+                generation=self.generation,  # final value set under the install lock
+                writer_pid=os.getpid() & 0xFFFFFFFF,
+                writer_uid=os.getuid() & 0xFFFFFFFF,
+                start_wall_ns=time.time_ns(),
+                dir_off=dir_off,
+                dir_len=len(directory),
+                slot_off=slot_off,
+                slot_stride=slot_stride,
+                slot_capacity=slot_capacity,
+                dir_crc=_seqlock.crc32(directory),
+            )
+            _seqlock.heartbeat(mm)
+
+        self._create(total, group, fill)
+        self._after_create()
+
+    def _extra_locks(self, fd: int) -> None:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # for layout v1.0 readers
+
+    def _legacy_live(self, raw: bytes, fd: int) -> bool:
+        # flock only for a v1.0 writer, which has no OFD lock (and whose flock a reader
+        # could also hold).
+        return layout.Header(raw).minor < layout.MINOR_OFD_LIVENESS and liveness.flock_held(fd)
+
+    # -- hot path ---------------------------------------------------------------
+
+    def publish(self, snapshot: Snapshot) -> int:
+        """Encode and publish one snapshot; returns its sequence number (0 if closed).
+
+        A failure is counted in the header (`record_error`) and re-raised.
+        """
+        mm = self._mm
+        if mm is None:
+            return 0
+        try:  # zero-cost in CPython 3.11+ until something raises
+            self._encoder.encode_into(snapshot, self._buf)
+        except Exception:
+            self.record_error(layout.PUBLISH_ERR_ENCODE)
+            raise
+        try:
+            return self._publish(mm, self._buf)
+        except ValueError:  # the payload does not fit a slot
+            self.record_error(layout.PUBLISH_ERR_TOO_LARGE)
+            raise
+
+    def record_error(self, code: int) -> None:
+        """Count a failed publish in the header (publish_errors_total, last code and time).
+
+        Outside the payload, so a reader sees it even if nothing was ever published. Never
+        raises (a truncated segment is the publish's own error to report).
+        """
+        if self._mm is not None:
+            try:
+                _seqlock.record_error(self._mm, code)
+            except (OSError, ValueError):
+                pass
+
+    def publish_bytes(self, payload: bytes | bytearray | memoryview) -> int:
+        mm = self._mm
+        if mm is None:
+            return 0
+        return self._publish(mm, payload)
+
+    def heartbeat(self) -> None:
+        """Refresh the heartbeat without a new snapshot (an idle engine is not a hung one)."""
+        if self._mm is not None:
+            _seqlock.heartbeat(self._mm)
+
+
 def _install_lock(dir_fd: int, shm_dir: str, name: str) -> int:
     """Take ``.<name>.lock``: serializes writers installing or removing this name.
 
@@ -501,9 +527,9 @@ def _close_for(
         if not stat.S_ISREG(st.st_mode) or st.st_uid != os.geteuid():
             return False
         raw = os.pread(fd, layout.HEADER_LEN, 0)
-        if len(raw) != layout.HEADER_LEN or raw[:8] != layout.MAGIC:
+        if len(raw) != layout.HEADER_LEN or raw[:8] not in _MAGICS:
             return False
-        header = layout.Header(raw)
+        header = layout.Header(raw)  # writer_pid, state: the same offsets in both
         if header.writer_pid not in pids or header.state == layout.STATE_FAULTED:
             return False  # a faulted engine stopped by its supervisor still reads dead
         if liveness.write_locked(fd) == dead_only:  # dead_only: a live writer is left alone;

@@ -137,7 +137,9 @@ def test_sigterm_removes_private_dir_and_leaves_no_process(
     shm = banner["segments"].split()[0]
     assert shm.startswith("/dev/shm/kvsidecar-demo-") and "(private" in banner["segments"]
     assert f"--shm-dir {shm}" in banner["watch"]
-    assert wait_for(lambda: os.listdir(shm) == ["kvsidecar.demo.dp0.tp0.pp0"], timeout=30)
+    # The snapshot segment, and the KV-event segment the demo's engine records (kv-events.md)
+    want = ["kvevents.demo.dp0.tp0.pp0", "kvsidecar.demo.dp0.tp0.pp0"]
+    assert wait_for(lambda: sorted(os.listdir(shm)) == want, timeout=30)
     assert demo.stop(signal.SIGTERM) == 0, demo.err
     assert not os.path.exists(shm)
     assert "segments left" not in demo.err
@@ -162,7 +164,8 @@ def test_sigkilled_demo_takes_its_children_down(
     )
     demos.append(demo)
     demo.wait_banner()
-    assert wait_for(lambda: len(os.listdir(shm_dir)) == 2, timeout=30), demo.err
+    # Both snapshot segments and the prefill engine's KV-event segment (kv-events.md)
+    assert wait_for(lambda: len(os.listdir(shm_dir)) == 3, timeout=30), demo.err
     demo.proc.kill()
     demo.proc.wait()
     assert wait_for(lambda: session_members(demo.proc.pid) == [], timeout=20), session_members(

@@ -17,6 +17,7 @@ from collections.abc import Iterable
 from typing import Any
 
 from kvsidecar.agent.engines.vllm.hooks import _log_once
+from kvsidecar.agent.engines.vllm.kv_events import VllmKVEvents, slots_needed
 from kvsidecar.protocol.schema import KVCachePoolSnapshot
 
 
@@ -88,6 +89,9 @@ class VllmPoolSource:
     ) -> None:
         self.pool = pool
         self._managers = managers  # single-type managers whose blocks come from this pool
+        self._manager = manager
+        self._block_sizes = [int(getattr(s, "block_size", 0) or 0) for s in specs]
+        self.kv_events: VllmKVEvents | None = None  # attach_kv_events
         spec = specs[0] if specs else None
         buffers = _kv_buffers(spec) if spec is not None else 2
         rows = int(pool.num_gpu_blocks)
@@ -196,6 +200,26 @@ class VllmPoolSource:
         since = self._since
         s.oldest_deferred_free_mono_ns = next(iter(since.values())) if since else 0
         return s
+
+    # -- KV events (kv_events.py) ---------------------------------------------------------
+
+    @property
+    def block_size(self) -> int:
+        """Token ids a KV-event slot holds: the largest of the pool's groups' block sizes."""
+        return max(self._block_sizes, default=0)
+
+    @property
+    def kv_event_slots(self) -> int:
+        """Slots of the KV-event segment: every (block, hash) entry the pool can hold."""
+        missing = VllmKVEvents.missing(self.pool)
+        if missing is not None:
+            raise AttributeError(f"this vLLM has no {missing}")
+        return slots_needed(self.pool, self._block_sizes)
+
+    def attach_kv_events(self, recorder: Any) -> None:
+        """Record the pool's KV events into ``recorder`` (the agent's KVEventsRecorder),
+        as vLLM's own BlockPool would emit them; attached before the first request."""
+        self.kv_events = VllmKVEvents(self.pool, recorder, self.kv_event_slots, self._manager)
 
     # -- deferrals ------------------------------------------------------------------------
 

@@ -95,8 +95,17 @@ def build(cfg: Config, model_dir: str):
             kv_role=cfg.connector,
             kv_connector_extra_config={"hold": cfg.connector == "kv_producer"},
         )
+    events = None
+    if os.environ.get("KVSIDECAR_KV_EVENTS") == "1":  # vLLM's queue on, as the reference
+        from vllm.config import KVEventsConfig
+
+        events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
     vllm_config = VllmConfig(
-        scheduler_config=sched_cfg, model_config=model, cache_config=cache, kv_transfer_config=kv
+        scheduler_config=sched_cfg,
+        model_config=model,
+        cache_config=cache,
+        kv_transfer_config=kv,
+        kv_events_config=events,
     )
     # VllmConfig may switch these for the CPU platform; the driver decides.
     vllm_config.scheduler_config.async_scheduling = cfg.async_sched
@@ -181,6 +190,7 @@ class Run:
         err = self.reader.attach()
         if err is not None:
             raise SystemExit(f"attach: {err}")
+        self.kv_events = KVEventsCheck(self.sched, self.sidecar, by_block=cfg.hybrid)
         init_none_hash(sha256)  # what the engine core does (vLLM's default hash)
         self.hasher = get_request_block_hasher(BLOCK, sha256)
         self.Request, self.Params, self.Status = Request, SamplingParams, RequestStatus
@@ -326,6 +336,7 @@ class Run:
             if self.steps > self.steps_wanted * 5:
                 self.mismatches.append("workload did not drain")
                 break
+        self.kv_events.compare("end", self.mismatches, final=True)
         final = self.reader.read()
         pools = final.snapshot.pools
         result = {
@@ -347,6 +358,7 @@ class Run:
             "alloc_failures_total": pools[0].alloc_failures_total,
             "prefix_hit_tokens_total": pools[0].prefix_hit_tokens_total,
             **self.seen,
+            **self.kv_events.counts(),
         }
         self.sched.shutdown()
         self.reader.close()
@@ -358,6 +370,7 @@ class Run:
         from kvsidecar.protocol.reader import ReadError
 
         sched, bad = self.sched, self.mismatches
+        self.kv_events.compare(where, bad)
         r = self.reader.read()
         if isinstance(r, ReadError):
             bad.append(f"{where}: read failed: {r}")
@@ -469,6 +482,92 @@ class Run:
         return bool(self._blocks(rid, pool))
 
 
+class KVEventsCheck:
+    """With KVSIDECAR_KV_EVENTS=1: the events the daemon's publisher builds from the
+    plugin's KV-event segment (RankPublisher.events_for, the real code) against the events
+    vLLM's own KVCacheManager.take_events hands its publisher, as msgspec builtins. vLLM
+    queues a step's events until update_from_output takes them, so at every check vLLM's
+    list so far is a prefix of ours; drained at the end, they are equal.
+
+    ``by_block``: compare per block (kind, hash, group), in order, not whole events: for
+    hybrid models, where vLLM's one BlockStored spans the null and masked blocks of a
+    sliding-window group (their token ids, the parent before them) and the sidecar splits it
+    at each gap (docs/kv-events.md, Limits)."""
+
+    def __init__(self, sched, sidecar, by_block: bool = False) -> None:
+        self.by_block = by_block
+        self.on = os.environ.get("KVSIDECAR_KV_EVENTS") == "1" and bool(
+            sched.kv_cache_manager.enable_caching
+        )
+        self.theirs: list = []
+        self.ours: list = []
+        if not self.on:
+            return
+        import msgspec
+
+        from kvsidecar.daemon.config import KVEventsOptions
+        from kvsidecar.protocol.kv_events_reader import KVEventsReader
+        from kvsidecar.streams.kv_events_zmq import RankPublisher, _State
+
+        self.builtins = msgspec.to_builtins
+        mgr = self.mgr = sched.kv_cache_manager
+        take = mgr.take_events
+
+        def take_events():
+            events = take()
+            self.theirs.extend(self._view(events))
+            return events
+
+        mgr.take_events = take_events
+        recorder = sidecar.agent.kv_events
+        if recorder is None:
+            raise SystemExit("KV events on, but the plugin recorded none")
+        self.reader = KVEventsReader(path=recorder.path)
+        err = self.reader.attach()
+        if err is not None:
+            raise SystemExit(f"attach: {err}")
+        self.pub = RankPublisher("check", "", KVEventsOptions(endpoint="tcp://*:0"), None)
+        self.pub._state = _State(self.reader.header.n_slots)
+        self.next = 1
+
+    def compare(self, where: str, bad: list[str], final: bool = False) -> None:
+        if not self.on:
+            return
+        if final:
+            self.mgr.take_events()  # what is still queued
+        records = self.reader.records(self.next, 1 << 20)
+        if records:
+            self.next = records[-1].seq + 1
+            self.ours.extend(self._view(self.pub.events_for(self.reader, records)))
+        n = len(self.theirs)
+        if self.ours[:n] != self.theirs or (final and len(self.ours) != n):
+            i = next(
+                (i for i, (a, b) in enumerate(zip(self.ours, self.theirs)) if a != b),
+                min(len(self.ours), n),
+            )
+            ours = self.ours[i] if i < len(self.ours) else None
+            theirs = self.theirs[i] if i < n else None
+            bad.append(f"{where}: KV event {i}: ours {ours} != vLLM's {theirs}")
+            self.on = False  # one report: the lists diverged
+
+    def _view(self, events) -> list:
+        out = [self.builtins(e) for e in events]
+        if not self.by_block:
+            return out
+        return [
+            (e["type"], h, e.get("group_idx"))
+            for e in out
+            for h in (e.get("block_hashes") or [None] * (e["type"] == "AllBlocksCleared"))
+        ]
+
+    def counts(self) -> dict:
+        out: dict = {"kv_events_compared": len(self.theirs), "kv_events_by_block": self.by_block}
+        for e in self.theirs:
+            kind = e[0] if self.by_block else e["type"]
+            out[kind] = out.get(kind, 0) + 1
+        return out
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("shm_dir")
@@ -476,7 +575,10 @@ def main() -> int:
     ap.add_argument("--only", help="run only the configs with this name")
     ap.add_argument("--sabotage", nargs="*", default=[], help=f"hooks to break: {SABOTAGE}")
     ap.add_argument("--sabotage-steps", type=int, default=200)
+    ap.add_argument("--kv-events", action="store_true", help="also check the KV events")
     args = ap.parse_args()
+    if args.kv_events:
+        os.environ["KVSIDECAR_KV_EVENTS"] = "1"
     os.environ["KVSIDECAR_SHM_DIR"] = args.shm_dir
     # The CPU platform (a GPU wheel cannot infer a device here); scheduling mode is set per run.
     os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")

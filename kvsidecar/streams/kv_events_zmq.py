@@ -1,0 +1,542 @@
+"""The daemon's KV-event publisher: vLLM's ZMQ wire from the KV-event segments.
+
+One `RankPublisher` per KV-event segment (one per engine DP rank), each on a thread of
+its own with its own sockets: a PUB on the endpoint + dp_rank (vLLM's rule) and, when
+configured, a ROUTER for vLLM's replay protocol. It follows the segment's ring every
+``poll_interval`` and publishes what changed as one `EventBatch`; the engine never
+waits for any of it (the agent writes shared memory, the daemon reads it).
+
+No gap reaches a consumer silently:
+
+* at the first sight of a writer incarnation (daemon start, engine restart): an
+  ``AllBlocksCleared`` then a ``BlockStored`` for every cached block, parents first
+  (the full state, from the table);
+* the engine gone (its segment closed, unlinked or its writer dead): ``AllBlocksCleared``,
+  so no consumer keeps a dead engine's blocks;
+* the daemon fell behind the ring (overrun): the table is diffed against what was
+  announced: ``BlockRemoved`` / ``BlockStored`` for exactly the blocks that changed;
+* a replay request older than the replay buffer: the full state as of the last
+  published sequence (``AllBlocksCleared`` + ``BlockStored``...) stamped with that
+  sequence, then the end marker, so the consumer resumes live after it.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from array import array
+from collections import deque
+from collections.abc import Callable
+
+import msgspec
+import zmq
+
+from kvsidecar import discovery
+from kvsidecar.daemon.config import KVEventsOptions
+from kvsidecar.protocol import kv_events_layout as kvl
+from kvsidecar.protocol.kv_events_reader import Block, KVEventsReader, Overrun, Record
+from kvsidecar.protocol.reader import ReadError
+from kvsidecar.streams.kv_events_wire import (
+    END_SEQ,
+    AllBlocksCleared,
+    BlockRemoved,
+    BlockStored,
+    EventBatch,
+    offset_endpoint_port,
+)
+
+log = logging.getLogger("kvsidecar.kv_events")
+
+MAX_EVENTS_PER_BATCH = 1024  # a resync's state is split into batches of this many events
+MAX_RECORDS_PER_POLL = 16384
+# An idle rank still publishes an empty batch (a new sequence number) this often, so a
+# subscriber that (re)connected learns the sequence, sees a gap or a restarted
+# publisher, and asks for a replay without waiting for the engine's next event.
+HEARTBEAT_S = 1.0
+
+
+class _State:
+    """What this publisher has announced, per slot: the version (0: nothing), hash,
+    group and medium. Fixed arrays sized from the segment: 19 bytes per block."""
+
+    def __init__(self, n_slots: int) -> None:
+        self.n = n_slots
+        self.clear()
+
+    def clear(self) -> None:
+        self.version = array("Q", bytes(8 * self.n))
+        self.hash = array("Q", bytes(8 * self.n))
+        self.group = array("H", bytes(2 * self.n))
+        self.medium = bytearray(self.n)
+
+    def announce(self, b: Block) -> None:
+        self.version[b.slot] = b.version
+        self.hash[b.slot] = b.block_hash
+        self.group[b.slot] = b.group_idx
+        self.medium[b.slot] = kvl.MEDIUM_CODES.get(b.medium, 0)
+
+    def removal(self, slot: int) -> BlockRemoved:
+        """The BlockRemoved of an announced slot, which it forgets."""
+        self.version[slot] = 0
+        return BlockRemoved(
+            block_hashes=[self.hash[slot]],
+            medium=kvl.MEDIA.get(self.medium[slot]),
+            group_idx=self.group[slot],
+        )
+
+
+def _continues(prev: Block, b: Block) -> bool:
+    """Whether b extends prev's BlockStored (vLLM: one request's run of full blocks)."""
+    return (
+        b.parent_hash == prev.block_hash
+        and len(b.token_ids) == len(prev.token_ids)
+        and (b.group_idx, b.medium, b.lora_id, b.lora_name, b.spec)
+        == (prev.group_idx, prev.medium, prev.lora_id, prev.lora_name, prev.spec)
+    )
+
+
+def stored_event(reader: KVEventsReader, blocks: list[Block]) -> BlockStored:
+    """One BlockStored for a run of blocks (each one's parent is the previous block)."""
+    first = blocks[0]
+    tokens: list[int] = []
+    for b in blocks:
+        tokens.extend(b.token_ids)
+    lora_name = reader.lora_name(first.lora_name)
+    # The group's KV-cache spec, as vLLM's KVCacheManager.take_events annotates it.
+    spec = (reader.lora_name(first.spec) or "").split(" ")
+    window = spec[1] if len(spec) > 1 and spec[1].isdigit() else None
+    return BlockStored(
+        block_hashes=[b.block_hash for b in blocks],
+        parent_block_hash=first.parent_hash,
+        token_ids=tokens,
+        block_size=len(first.token_ids),
+        lora_id=first.lora_id,
+        medium=first.medium,
+        lora_name=lora_name,
+        extra_keys=[None if lora_name is None else (lora_name,) for _ in blocks],
+        group_idx=first.group_idx,
+        kv_cache_spec_kind=spec[0] or None,
+        kv_cache_spec_sliding_window=None if window is None else int(window),
+    )
+
+
+def parents_first(blocks: list[Block]) -> list[Block]:
+    """Blocks ordered so that a parent that is itself cached comes before its children
+    (a consumer that drops orphans keeps every chain)."""
+    by_hash = {b.block_hash: b for b in blocks}
+    depth: dict[int, int] = {}
+    for b in blocks:
+        chain = []
+        h: int | None = b.block_hash
+        while h is not None and h in by_hash and h not in depth:
+            chain.append(h)
+            h = by_hash[h].parent_hash
+            if len(chain) > len(by_hash):  # a cycle (corrupt hashes): stop
+                break
+        base = depth.get(h, -1) if h is not None else -1
+        for i, x in enumerate(reversed(chain)):
+            depth[x] = base + 1 + i
+    return sorted(blocks, key=lambda b: (depth.get(b.block_hash, 0), b.slot))
+
+
+class RankPublisher:
+    """Follows one KV-event segment; publishes vLLM's wire for its DP rank."""
+
+    def __init__(
+        self,
+        name: str,
+        shm_dir: str,
+        options: KVEventsOptions,
+        ctx: zmq.Context,
+        *,
+        allowed_uids: frozenset[int] | None = None,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
+        self.name = name
+        self.shm_dir = shm_dir
+        self.options = options
+        self.allowed_uids = allowed_uids
+        self._ctx = ctx
+        self._clock = clock
+        self._topic = options.topic.encode()
+        self._enc = msgspec.msgpack.Encoder()
+        self.reader: KVEventsReader | None = None
+        self.dp_rank: int | None = None
+        self.endpoint: str | None = None
+        self.replay_endpoint: str | None = None
+        self._pub: zmq.Socket | None = None
+        self._replay: zmq.Socket | None = None
+        self.seq = -1  # the last published batch (vLLM starts at 0)
+        self._buffer: deque[tuple[int, bytes]] = deque(maxlen=options.buffer_steps)
+        self._state: _State | None = None
+        self._incarnation = 0
+        self._next = 1  # the next ring record to read
+        self._engine_gone = True  # nothing announced yet: no clear owed
+        self._last_sent = 0.0  # time.monotonic() of the last batch
+        self.stats = {"batches": 0, "events": 0, "resyncs": 0, "overruns": 0, "replays": 0}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self.error: str | None = None
+
+    # -- life --------------------------------------------------------------------
+
+    def start(self) -> None:
+        self._thread = threading.Thread(
+            target=self._run, name=f"kv-events-{self.name}", daemon=True
+        )
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+
+    def _run(self) -> None:
+        try:
+            while not self._stop.is_set():
+                self.poll_once()
+                if self._pub is not None and time.monotonic() - self._last_sent >= HEARTBEAT_S:
+                    self._publish([], heartbeat=True)
+                # Detached (no engine yet, or gone): look for one 10 times a second.
+                wait = self.options.poll_interval if self.reader is not None else 0.1
+                self._serve_replay(max(wait, self.options.poll_interval))
+        except Exception as e:  # a bug: say so, never take the daemon down
+            self.error = f"{type(e).__name__}: {e}"
+            log.exception("kv events publisher for %s stopped", self.name)
+        finally:
+            self._close()
+
+    def _close(self) -> None:
+        if self.reader is not None:
+            self.reader.close()
+        for sock in (self._pub, self._replay):
+            if sock is not None:
+                sock.close(linger=0)
+        self._pub = self._replay = None
+
+    # -- following the segment ------------------------------------------------------
+
+    def poll_once(self) -> None:
+        """Attach (or re-attach after a restart), then publish what changed."""
+        reader = self.reader
+        if reader is not None and (reader.replaced() or not reader.writer_alive()):
+            reader.close()
+            self.reader = reader = None
+            self._gone("its segment was closed or replaced, or its writer died")
+        if reader is None:
+            reader = self._attach()
+            if reader is None:
+                return
+        try:
+            self._follow(reader)
+        except ReadError as e:  # corrupt / truncated: treat as a gone engine, re-attach
+            log.warning("kv events %s: %s", self.name, e)
+            reader.close()
+            self.reader = None
+            self._gone(str(e))
+
+    def _attach(self) -> KVEventsReader | None:
+        reader = KVEventsReader(self.name, shm_dir=self.shm_dir, allowed_uids=self.allowed_uids)
+        error = reader.attach()
+        if error is not None:
+            return None
+        if not reader.writer_alive():
+            reader.close()
+            return None
+        header = reader.header
+        assert header is not None
+        if self._pub is None:
+            try:
+                self._bind(header.dp_rank)
+            except zmq.ZMQError as e:  # the port is taken (another segment of this rank?)
+                reader.close()
+                self.error = f"cannot bind for dp_rank {header.dp_rank}: {e}"
+                log.warning("kv events %s: %s; not published", self.name, self.error)
+                self._stop.set()
+                return None
+        elif header.dp_rank != self.dp_rank:
+            log.warning(
+                "kv events %s: the new writer says dp_rank %d, this publisher serves %d",
+                self.name,
+                header.dp_rank,
+                self.dp_rank,
+            )
+        self.reader = reader
+        self._state = _State(header.n_slots)
+        self._incarnation = header.incarnation
+        self._resync_full(reader)
+        return reader
+
+    def _bind(self, dp_rank: int) -> None:
+        o = self.options
+        self.dp_rank = dp_rank
+        pub = self._ctx.socket(zmq.PUB)
+        pub.set_hwm(o.hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        try:
+            pub.bind(offset_endpoint_port(o.endpoint, dp_rank))
+            replay = None
+            if o.replay_endpoint:
+                replay = self._ctx.socket(zmq.ROUTER)
+                replay.setsockopt(zmq.LINGER, 0)
+                # A full replay plus its end marker fits (vLLM 0.33's fix for slow clients).
+                replay.setsockopt(zmq.SNDHWM, 2 * (o.buffer_steps + 1))
+                try:
+                    replay.bind(offset_endpoint_port(o.replay_endpoint, dp_rank))
+                except zmq.ZMQError:
+                    replay.close()
+                    raise
+        except zmq.ZMQError:
+            pub.close()
+            raise
+        self._pub, self._replay = pub, replay
+        self.endpoint = pub.getsockopt_string(zmq.LAST_ENDPOINT)
+        if replay is not None:
+            self.replay_endpoint = replay.getsockopt_string(zmq.LAST_ENDPOINT)
+        log.info(
+            "kv events for %s (dp_rank %d): PUB %s%s, topic %r",
+            self.name,
+            dp_rank,
+            self.endpoint,
+            f", replay {self.replay_endpoint}" if self.replay_endpoint else "",
+            self.options.topic,
+        )
+
+    def _gone(self, why: str) -> None:
+        if not self._engine_gone:
+            log.info("kv events %s: engine gone (%s): AllBlocksCleared", self.name, why)
+            self._publish([AllBlocksCleared()])
+            if self._state is not None:
+                self._state.clear()
+        self._engine_gone = True
+
+    def _resync_full(self, reader: KVEventsReader) -> None:
+        """A new writer incarnation: clear, then the whole table (parents first)."""
+        head, _epoch, blocks = reader.cached_blocks()
+        state = self._state
+        assert state is not None
+        state.clear()
+        events: list[object] = [AllBlocksCleared()]
+        for b in parents_first(blocks):
+            state.announce(b)
+            events.append(stored_event(reader, [b]))
+        self._next = head + 1
+        self._engine_gone = False
+        self.stats["resyncs"] += 1
+        self._publish(events)
+
+    def _resync_diff(self, reader: KVEventsReader) -> None:
+        """Overrun (the same writer): remove what is no longer cached, store what is new."""
+        head, _epoch, blocks = reader.cached_blocks()
+        state = self._state
+        assert state is not None
+        now = {b.slot: b for b in blocks}
+        events: list[object] = []
+        for slot in range(state.n):
+            v = state.version[slot]
+            if v and (slot not in now or now[slot].version != v):
+                events.append(state.removal(slot))
+        for b in parents_first(blocks):
+            if state.version[b.slot] != b.version:
+                state.announce(b)
+                events.append(stored_event(reader, [b]))
+        self._next = head + 1
+        self.stats["overruns"] += 1
+        self._publish(events)
+
+    def _follow(self, reader: KVEventsReader) -> None:
+        try:
+            records = reader.records(self._next, MAX_RECORDS_PER_POLL)
+        except Overrun as e:
+            log.info("kv events %s: %s", self.name, e)
+            self._resync_diff(reader)
+            return
+        if not records:
+            return
+        self._next = records[-1].seq + 1
+        events = self.events_for(reader, records)
+        if events:
+            self._publish(events)
+
+    def events_for(self, reader: KVEventsReader, records: list[Record]) -> list[object]:
+        """vLLM's events for ring records, checked against what was announced: a store
+        whose slot was re-stored since (its data gone) is left out with its removal."""
+        state = self._state
+        assert state is not None
+        events: list[object] = []
+        run: list[Block] = []  # the BlockStored being built (one request's run)
+
+        def flush() -> None:
+            if run:
+                events.append(stored_event(reader, run))
+                run.clear()
+
+        for r in records:
+            if r.kind == kvl.KIND_STORED:
+                if state.version[r.slot] == r.version:  # announced by a resync already
+                    flush()
+                    continue
+                b = reader.block(r.slot)
+                if b is None or b.version != r.version:  # re-stored since: data gone
+                    flush()
+                    continue
+                if not (run and not r.flags & kvl.REC_FIRST and _continues(run[-1], b)):
+                    flush()
+                run.append(b)
+                state.announce(b)
+            elif r.kind == kvl.KIND_REMOVED:
+                flush()
+                if state.version[r.slot] == r.version and r.version:
+                    events.append(state.removal(r.slot))
+            elif r.kind == kvl.KIND_CLEARED:
+                flush()
+                events.append(AllBlocksCleared())
+                state.clear()
+        flush()
+        return events
+
+    # -- the wire -----------------------------------------------------------------------
+
+    def _publish(self, events: list[object], heartbeat: bool = False) -> None:
+        """Events as batches of at most MAX_EVENTS_PER_BATCH (none: nothing, unless this is
+        the idle heartbeat, one empty batch)."""
+        pub = self._pub
+        if pub is None:
+            return
+        for i in range(0, max(len(events), 1), MAX_EVENTS_PER_BATCH):
+            chunk = events[i : i + MAX_EVENTS_PER_BATCH]
+            if not chunk and not heartbeat:
+                return
+            self.seq += 1
+            payload = self._enc.encode(
+                EventBatch(ts=self._clock(), events=chunk, data_parallel_rank=self.dp_rank)
+            )
+            seq = self.seq.to_bytes(8, "big")
+            try:
+                pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK)
+            except zmq.Again:  # PUB drops for slow subscribers itself; never wait
+                pass
+            self._buffer.append((self.seq, payload))
+            self._last_sent = time.monotonic()
+            self.stats["batches"] += 1
+            self.stats["events"] += len(chunk)
+
+    def _serve_replay(self, timeout: float) -> None:
+        """Wait up to timeout for replay requests (or just sleep without a ROUTER)."""
+        replay = self._replay
+        if replay is None:
+            self._stop.wait(timeout)
+            return
+        if not replay.poll(int(timeout * 1000)):
+            return
+        while replay.poll(0):
+            frames = replay.recv_multipart()
+            if len(frames) != 3:
+                log.warning(
+                    "kv events %s: invalid replay request (%d frames)", self.name, len(frames)
+                )
+                continue
+            client, _, start_bytes = frames
+            self.stats["replays"] += 1
+            self._answer_replay(client, int.from_bytes(start_bytes, "big"))
+
+    def _answer_replay(self, client: bytes, start: int) -> None:
+        replay = self._replay
+        assert replay is not None
+        oldest = self._buffer[0][0] if self._buffer else self.seq + 1
+        try:
+            if start < oldest and self.reader is not None and self.seq >= 0:
+                # Older than the buffer: the full state as of the last published sequence.
+                for payload in self._state_batches():
+                    replay.send_multipart(
+                        (client, b"", self._topic, self.seq.to_bytes(8, "big"), payload),
+                        flags=zmq.NOBLOCK,
+                    )
+            else:
+                for seq, payload in self._buffer:
+                    if seq >= start:
+                        replay.send_multipart(
+                            (client, b"", self._topic, seq.to_bytes(8, "big"), payload),
+                            flags=zmq.NOBLOCK,
+                        )
+            replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
+        except zmq.Again:  # the client does not read: drop the rest, never wait
+            pass
+
+    def _state_batches(self) -> list[bytes]:
+        """The announced state as batches: AllBlocksCleared + BlockStored per block whose
+        slot still holds the announced version (one not there any more is being removed:
+        its removal follows live)."""
+        reader, state = self.reader, self._state
+        assert reader is not None and state is not None
+        blocks = []
+        for slot in range(state.n):
+            v = state.version[slot]
+            if v:
+                b = reader.block(slot)
+                if b is not None and b.version == v:
+                    blocks.append(b)
+        events: list[object] = [AllBlocksCleared()]
+        events.extend(stored_event(reader, [b]) for b in parents_first(blocks))
+        return [
+            self._enc.encode(
+                EventBatch(
+                    ts=self._clock(),
+                    events=events[i : i + MAX_EVENTS_PER_BATCH],
+                    data_parallel_rank=self.dp_rank,
+                )
+            )
+            for i in range(0, len(events), MAX_EVENTS_PER_BATCH)
+        ]
+
+
+class KVEventsService:
+    """Finds KV-event segments (``kvevents.*``) and runs a `RankPublisher` for each."""
+
+    def __init__(
+        self,
+        options: KVEventsOptions,
+        shm_dir: str,
+        *,
+        allowed_uids: frozenset[int] | None = None,
+        rediscover_interval: float = 1.0,
+    ) -> None:
+        self.options = options
+        self.shm_dir = shm_dir
+        self.allowed_uids = allowed_uids
+        self.rediscover_interval = rediscover_interval
+        self._ctx = zmq.Context()
+        self.publishers: dict[str, RankPublisher] = {}
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def scan(self) -> None:
+        try:
+            names = discovery.scan_segments(self.shm_dir, kvl.EVENTS_PREFIX)
+        except OSError:
+            return
+        for name in sorted(names):
+            if name not in self.publishers:
+                pub = RankPublisher(
+                    name, self.shm_dir, self.options, self._ctx, allowed_uids=self.allowed_uids
+                )
+                self.publishers[name] = pub
+                pub.start()
+
+    def start(self) -> None:
+        self.scan()
+        self._thread = threading.Thread(target=self._run, name="kv-events-scan", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.rediscover_interval):
+            self.scan()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5)
+        for pub in self.publishers.values():
+            pub.stop()
+        self._ctx.term()
