@@ -289,7 +289,28 @@ def _ports_overlap(addresses: list[str], config: ServeConfig) -> str | None:
         host, port = config.gateway.address
         shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
         claims.append(Claim("--gateway.listen-address", shown, host, port, config.gateway.ranks))
+    if config.kv_events is not None:
+        for flag, endpoint in (
+            ("--kv-events.endpoint", config.kv_events.endpoint),
+            ("--kv-events.replay-endpoint", config.kv_events.replay_endpoint),
+        ):
+            claim = _tcp_claim(flag, endpoint)
+            if claim is not None:
+                claims.append(claim)
     return overlap(claims)
+
+
+def _tcp_claim(flag: str, endpoint: str | None):
+    """A ZMQ ``tcp://host:port`` endpoint's base port (rank 0's; the others are dynamic)."""
+    from kvsidecar.daemon.ports import Claim
+
+    if not endpoint or not endpoint.startswith("tcp://"):
+        return None
+    host, _, port = endpoint[len("tcp://") :].rpartition(":")
+    if not port.isdigit():
+        return None
+    host = host.strip("[]")
+    return Claim(flag, endpoint, "" if host == "*" else host, int(port))
 
 
 def _suggest(addresses: list[str]) -> int:

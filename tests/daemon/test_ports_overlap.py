@@ -58,3 +58,15 @@ def test_claims() -> None:
     assert overlap([lo, Claim("--gateway.listen-address", "x", "10.1.1.1", 19440)]) is None
     any_port = Claim("--web.listen-address", ":0", "", 0)
     assert overlap([any_port, Claim("--gateway.listen-address", "x", "", 0, 8)]) is None
+
+
+def test_a_kv_events_port_on_the_main_port_is_one_line(shm_dir: str) -> None:
+    p = free_port_run(1)
+    proc = _serve(
+        shm_dir,
+        "--web.listen-address", f"127.0.0.1:{p}",
+        "--kv-events.endpoint", f"tcp://*:{p}",
+    )  # fmt: skip
+    assert proc.returncode == 2, proc.stderr
+    (line,) = proc.stderr.splitlines()
+    assert "--kv-events.endpoint" in line and f"port {p}" in line, line
