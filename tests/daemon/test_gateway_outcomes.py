@@ -23,12 +23,14 @@ def _answers(url: str) -> dict[tuple[str, str], float]:
 
 def test_an_ambiguous_rank_is_counted_logged_once_and_ready_says_so(shm_dir, tmp_path) -> None:
     shm = shm_dir
-    prefill = start_writer("kvsidecar.gw.prefill.dp0", shm, role="prefill")
-    decode = start_writer("kvsidecar.gw.decode.dp0", shm, role="decode")
     log_path = tmp_path / "daemon.log"
     with open(log_path, "wb") as log:
         daemon, url, port = daemon_with_gateway(shm, "--log-level", "info", stderr=log)
+    writers = []
     try:
+        writers.append(start_writer("kvsidecar.gw.prefill.dp0", shm, role="prefill"))
+        writers.append(start_writer("kvsidecar.gw.decode.dp0", shm, role="decode"))
+        prefill = writers[0]
         poll = HTTPPoll(port)
         assert wait_for(lambda: "all claim dp_rank 0" in poll()[1])
         for _ in range(POLLS):
@@ -48,8 +50,8 @@ def test_an_ambiguous_rank_is_counted_logged_once_and_ready_says_so(shm_dir, tmp
         assert wait_for(lambda: "gateway answering" not in fetch(url + "/-/ready")[2])
     finally:
         stop_daemon(daemon)
-        stop(prefill)
-        stop(decode)
+        for writer in writers:
+            stop(writer)
     lines = log_path.read_text().splitlines()
     started = [ln for ln in lines if "gateway dp_rank 0: answering 503 (ambiguous)" in ln]
     ended = [ln for ln in lines if "gateway dp_rank 0: answering 200 again (was ambiguous)" in ln]
