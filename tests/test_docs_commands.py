@@ -24,6 +24,7 @@ import pytest
 
 from kvsidecar.cli.main import main
 from tests.conftest import REPO
+from tests.deploy.helm_chart import check_helm_command
 
 DOCS = [Path(REPO) / "README.md", *sorted((Path(REPO) / "docs").glob("*.md"))]
 VENV_BIN = Path(sys.executable).parent
@@ -227,6 +228,8 @@ def check(argv: list[str]) -> None:
             "editable install with a copy)"
         )
         check_extras(m.group(1))
+    elif prog == "helm":  # linted or rendered with its values by Helm's own SDK
+        check_helm_command(argv)
     elif prog == "python3" and argv[1:3] == ["-m", "venv"]:
         pass  # creating a venv with the system Python is fine
     else:
@@ -262,6 +265,12 @@ def test_checker_catches_what_the_issue_found() -> None:
         ".venv/bin/pip install '.[otlp]'",
         "/opt/kvsidecar/bin/pip install dist/kvsidecar-0.1.0-*.whl[otlp]",
         ".venv/bin/pip install -e '.[nosuchextra]'",
+        # issue 45 item 2: a misspelt value (helm ignores it), values the chart refuses, a
+        # flag helm install lacks, a chart that is not ours
+        "helm install llm deploy/helm/kvsidecar --set gateway.enable=true",
+        "helm template llm deploy/helm/kvsidecar --set runAsUser=1000",
+        "helm install llm deploy/helm/kvsidecar --wait-for-it",
+        "helm install llm deploy/kubernetes",
     ]
     ok = ["kvsidecar " + bad[0]]
     for line in ok:
