@@ -20,6 +20,7 @@ setup(
         "kvsidecar.daemon",
         "kvsidecar.web",
         "kvsidecar.otlp",
+        "kvsidecar.streams",
         "kvsidecar.bench",
         "kvsidecar.agent",
         "kvsidecar.agent.demo",
