@@ -286,6 +286,16 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
 
         # The restart (a second server start): the consumers follow the new engine.
         server = vb.start_server(cmd, env, tmp_path / "server2.log", timeout=300)
+
+        # The sidecar attached to the new engine (AllBlocksCleared for the old one gone, then
+        # the new one's state, still empty) before the workload: on a loaded host it attached
+        # after the first requests, and its first state then announced blocks that vLLM's
+        # stream announces as its own events (the same set, another sequence).
+        def attached() -> bool:
+            got = replay(s_replay)
+            return got is not None and len(decode(python, got)) >= len(theirs) + 3
+
+        assert wait_for(attached, 60, 0.5)
         run_pumping(live, workload, port, 7, 0)
         theirs2, ours2 = settled(python, v_replay, s_replay, 3 + len(theirs))
         assert kinds(theirs2).get("BlockStored", 0) >= 3
