@@ -30,7 +30,7 @@ from kvsidecar.daemon.budget import (
     sanitize,
 )
 from kvsidecar.daemon.refusals import bump
-from kvsidecar.protocol import _seqlock, layout
+from kvsidecar.protocol import layout
 from kvsidecar.protocol.reader import (
     Corrupt,
     Gone,
@@ -42,6 +42,7 @@ from kvsidecar.protocol.reader import (
     dead_message,
     faulted_message,
     stale_message,
+    state_byte,
 )
 from kvsidecar.protocol.schema import Snapshot
 
@@ -138,15 +139,9 @@ INTERNAL_KIND = "internal_error"  # ... of one whose poll hit a bug of the daemo
 FAULTED_KIND = "faulted"  # error_kind of a target whose engine reported a fatal error
 
 
-def _state_byte(reader: SegmentReader) -> int:
-    """The mapped segment's state byte; a guarded copy, never a SIGBUS."""
-    raw = _seqlock.copy_range(reader.mm, layout.OFF_STATE, 1) if reader.mm else None
-    return raw[0] if raw else layout.STATE_INIT
-
-
 def _closed(reader: SegmentReader) -> bool:
     """The mapped (old) segment's state byte says CLOSED."""
-    return _state_byte(reader) == layout.STATE_CLOSED
+    return state_byte(reader) == layout.STATE_CLOSED
 
 
 class Target:
@@ -342,7 +337,7 @@ class Target:
             if snapshot is not result.snapshot:
                 result = msgspec.structs.replace(result, snapshot=snapshot)
                 self._cost_of = snapshot
-        if _state_byte(reader) == layout.STATE_FAULTED:
+        if state_byte(reader) == layout.STATE_FAULTED:
             # The engine's own fatal-error path said so: dead now, though its process may
             # still hold the lock while it is torn down, and dead after, whoever stops it.
             state, kind = DEAD, FAULTED_KIND

@@ -638,7 +638,7 @@ def read_segment(
             return error
         result = reader.read()
         last = result if isinstance(result, Reading) else None
-        state = _state(reader)
+        state = state_byte(reader)
         if state == layout.STATE_FAULTED:
             return Faulted(faulted_message(name, reader.writer_alive()), last)
         if not reader.writer_alive():
@@ -674,6 +674,7 @@ def stale_message(name: str, reading: Reading, age: float, stale_after: float) -
     return f"{head}: engine hung or stopped"
 
 
-def _state(reader: SegmentReader) -> int:
+def state_byte(reader: SegmentReader) -> int:
+    """The mapped segment's state byte (INIT if unmapped); a guarded copy, never a SIGBUS."""
     raw = _seqlock.copy_range(reader.mm, layout.OFF_STATE, 1) if reader.mm else None
     return raw[0] if raw else layout.STATE_INIT
