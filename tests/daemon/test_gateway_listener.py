@@ -197,7 +197,7 @@ def test_an_idle_connection_flood_from_other_addresses_costs_the_picker_no_poll(
 def test_pipelining_clients_cost_the_picker_no_poll(server):
     """16 clients from other addresses pipelining as fast as they are answered, beside a
     picker: every one of the picker's polls is answered, and every pipelined poll too."""
-    srv, port = server
+    _, port = server
     stop = threading.Event()
     answered = [0] * 16
 
