@@ -15,6 +15,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from kvsidecar.daemon import gateway as gw_mod
 from kvsidecar.daemon import gateway_body as gb
 from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.gateway import Gateway
@@ -289,3 +290,33 @@ def test_sixty_four_segments_claiming_one_rank_cost_a_poll_at_most_one_read(tmp_
         targets.stop()
         for w in writers:
             w.close()
+
+
+def test_an_unchanged_step_costs_one_word_and_a_new_one_is_served_at_once(tmp_path, monkeypatch):
+    """Counted as work: polls of an unchanged step read no segment (the published sequence
+    word alone); the poll after a publish reads it and serves the new step, whatever the
+    window left (here an hour, so no clock decides)."""
+    monkeypatch.setattr(gw_mod, "FULL_CHECK_EVERY", 3600.0)
+    shm = str(tmp_path)
+    os.chmod(shm, 0o750)
+    writer = SegmentWriter("kvsidecar.gw.dp0", shm_dir=shm)
+    targets = TargetSet(Discovery(shm), polling=Polling(poll_interval=0.25, stale_after=30))
+    try:
+        writer.publish(gw.build("vllm", 0, "both", 1))
+        targets.poll_all()  # no background poller: the poll cycle (version) stays
+        gateway = Gateway(targets, stale_after=3600.0)
+        first = gateway.answer(0)
+        assert first[0] == 200 and first[3] == b"Kvsidecar-Step: 1\r\n", first
+        for _ in range(100):
+            assert gateway.answer(0) is first  # the same tuple: its bytes re-sent as built
+        assert (gateway.full_checks, gateway.segment_reads) == (1, 1)
+        for step in (2, 3):
+            writer.publish(gw.build("vllm", 0, "both", step))
+            status, body, _, extra = gateway.answer(0)
+            assert status == 200 and extra == b"Kvsidecar-Step: %d\r\n" % step
+            assert picker.extract(body.decode(), "vllm") == gw.expected("vllm", step)
+        assert gateway.full_checks == 3
+        assert gateway.answers[(0, "ok")] == 103  # every poll counted, the cheap ones too
+    finally:
+        targets.stop()
+        writer.close()
