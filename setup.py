@@ -1,4 +1,6 @@
-"""Build the one C extension: seqlock fences, slot publish and guarded slot copy.
+"""Build the C extensions: seqlock fences, slot publish and guarded slot copy (required);
+the gateway listener's fast path (optional: without a compiler for it, or where it fails to
+build, `kvsidecar.web.poll_server` serves every poll in Python, as before).
 
 Everything else is in pyproject.toml; setuptools still needs ext_modules here.
 """
@@ -11,7 +13,13 @@ setup(
             "kvsidecar.protocol._seqlock",
             sources=["kvsidecar/protocol/_seqlock.c"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
-        )
+        ),
+        Extension(
+            "kvsidecar.web._pollfast",
+            sources=["kvsidecar/web/_pollfast.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
+            optional=True,
+        ),
     ],
     packages=[
         "kvsidecar",

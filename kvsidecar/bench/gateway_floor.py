@@ -12,7 +12,11 @@ answered, and the share of polls that were fresh. Candidates, each in turn, same
 * ``full``: every poll a full check (the target's poll: trust, budgets, identity,
   liveness, progress) and the body cached per (incarnation, seq), as main did;
 * ``word``: the published sequence word loaded, the bytes built at the last full check
-  re-sent while it is unchanged (a full check at least every `gateway.FULL_CHECK_EVERY`).
+  re-sent while it is unchanged (a full check at least every `gateway.FULL_CHECK_EVERY`),
+  every poll on the Python path;
+* ``compiled``: the same, the polls of an unchanged step served by the listener's
+  compiled path (`kvsidecar.web._pollfast`: the wait, recv, compare, word, send in C),
+  everything else by the Python path (measured only where the extension is built).
 
 Both with the shared parser's verdict kept per distinct head, and the same answer tuple's
 bytes re-sent (`poll_server`): the parse and the head are a lookup in both.
@@ -37,17 +41,22 @@ from kvsidecar.bench.gateway import _PICKER, PICKERS
 from kvsidecar.daemon import gateway as gw
 from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.targets import TargetSet
+from kvsidecar.web import poll_server
 from kvsidecar.web.poll_server import PollServer
 
 # Run from a checkout of code before the candidates (`Gateway` without the sequence word),
 # the one candidate there is that code as it is: "before".
-CANDIDATES = ("full", "word") if hasattr(gw, "FULL_CHECK_EVERY") else ("before",)
+CANDIDATES: tuple[str, ...] = ("full", "word") if hasattr(gw, "FULL_CHECK_EVERY") else ("before",)
+if getattr(poll_server, "FAST", False):
+    CANDIDATES += ("compiled",)
 
 
-def _thread_cpu(tid: int) -> float:
+def _thread_cpu(tid: int) -> tuple[float, float]:
+    """The thread's (user, system) CPU seconds."""
     with open(f"/proc/self/task/{tid}/stat") as f:
         fields = f.read().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    tick = os.sysconf("SC_CLK_TCK")
+    return int(fields[11]) / tick, int(fields[12]) / tick
 
 
 def measure(seconds: float, hz: float, steps_per_s: float) -> dict[str, Any]:
@@ -89,7 +98,8 @@ def _one(
     gateway = gw.Gateway(targets)
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    server = PollServer([(sock, gateway.route(0))], name="kvsidecar-gateway")
+    options = {"compiled": cand == "compiled"} if "compiled" in CANDIDATES else {}
+    server = PollServer([(sock, gateway.route(0))], name="kvsidecar-gateway", **options)
     server.start()
     counter = os.path.join(tmp, f"floor-{cand}")
     with open(counter, "wb") as f:
@@ -100,8 +110,10 @@ def _one(
         time.sleep(2.0)  # connections made, caches warm
         tid = server._thread.native_id  # type: ignore[union-attr]
         c0, n0, f0 = _thread_cpu(tid), _counts(counter), getattr(gateway, "full_checks", 0)
+        k0 = getattr(server, "fast_polls", 0)
         time.sleep(seconds)
         c1, n1, f1 = _thread_cpu(tid), _counts(counter), getattr(gateway, "full_checks", 0)
+        k1 = getattr(server, "fast_polls", 0)
     finally:
         picker.kill()
         picker.wait()
@@ -112,9 +124,11 @@ def _one(
     return {
         "polls": polls,
         "polls_per_s": polls / seconds,
-        "cpu_ms_per_poll": 1000 * (c1 - c0) / max(1, polls),
-        "core_pct": 100 * (c1 - c0) / seconds,
+        "cpu_ms_per_poll": 1000 * (sum(c1) - sum(c0)) / max(1, polls),
+        "system_ms_per_poll": 1000 * (c1[1] - c0[1]) / max(1, polls),
+        "core_pct": 100 * (sum(c1) - sum(c0)) / seconds,
         "full_check_share": (f1 - f0) / max(1, polls),
+        "compiled_share": (k1 - k0) / max(1, polls),
         "fresh_fraction": (n1[1] - n0[1]) / max(1, n1[2] - n0[2]),
     }
 

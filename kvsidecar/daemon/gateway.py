@@ -46,7 +46,7 @@ from kvsidecar.protocol import _seqlock
 from kvsidecar.protocol.layout import OFF_PUBLISHED_SEQ
 from kvsidecar.protocol.reader import Reading
 from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS, GATEWAY_STALE_AFTER
-from kvsidecar.web.poll_server import PollServer, Route
+from kvsidecar.web.poll_server import FastSlot, PollServer, Route
 from kvsidecar.web.sockets import bind
 
 __all__ = ["METRICS_PATH", "OUTCOMES", "Gateway", "GatewayListenError", "start_gateway"]
@@ -107,6 +107,8 @@ class Gateway:
         # Per segment: the body of its last (incarnation, seq), while no age is in it.
         self._bodies: dict[str, tuple[tuple[int, int], bytes]] = {}
         self._checked: dict[int, _Checked] = {}  # per rank
+        # Per rank, the same check for the listener's compiled path (poll_server.FastSlot).
+        self._slots: dict[int, FastSlot] = {}
         self._ambiguous: dict[int, str] = {}  # per rank, this poll cycle: who claims it
         self.full_checks = 0  # polls that read a segment (the others loaded one word)
         self.segment_reads = 0  # segments read by those (at most one each)
@@ -118,7 +120,29 @@ class Gateway:
                 return 404, f"not found: the gateway serves {METRICS_PATH}\n".encode(), _TEXT, b""
             return self.answer(dp_rank)
 
+        answer.fast_slot = self._slot(dp_rank)  # type: ignore[attr-defined]
         return answer
+
+    def _slot(self, dp_rank: int) -> FastSlot:
+        slot = self._slots.get(dp_rank)
+        if slot is None:
+            slot = self._slots[dp_rank] = FastSlot()
+            slot.load, slot.off = _seqlock.kv_load_u64, OFF_PUBLISHED_SEQ
+            slot.epoch, slot.counts, slot.key = self.targets, self.answers, (dp_rank, OK)
+        return slot
+
+    def _keep(self, dp_rank: int, checked: _Checked | None) -> None:
+        """The rank's last full check that answered 200 (None: none to re-serve), for
+        both paths: `_checked` here, and the rank's slot for the compiled one."""
+        slot = self._slot(dp_rank)
+        slot.answer = slot.out = None
+        if checked is None:
+            self._checked.pop(dp_rank, None)
+            return
+        self._checked[dp_rank] = checked
+        slot.mm, slot.seq, slot.until = checked.mm, checked.seq, checked.until
+        slot.version = checked.version
+        slot.answer = checked.answer  # last: the slot is whole before it can be served
 
     def routes(self, ranks: int) -> Sequence[Route]:
         return [self.route(r) for r in range(ranks)]
@@ -135,7 +159,7 @@ class Gateway:
         ):
             self._count(dp_rank, OK)
             return checked.answer  # the same tuple: the server re-sends its bytes
-        self._checked.pop(dp_rank, None)
+        self._keep(dp_rank, None)
         outcome, answer = self._answer(dp_rank)
         self._count(dp_rank, outcome)
         last = self.last_outcome.get(dp_rank)
@@ -209,7 +233,7 @@ class Gateway:
             if timeless_body and mm is not None:
                 # Never past the moment the check's own progress bound would answer 503.
                 until = time.monotonic() + min(FULL_CHECK_EVERY, self.stale_after - still)
-                self._checked[dp_rank] = _Checked(version, mm, last.seq, until, answer)
+                self._keep(dp_rank, _Checked(version, mm, last.seq, until, answer))
             return OK, answer
         why = f"{view.name}: {view.state}: {view.error or 'not up'}\n"
         return "not_up", (503, why.encode(), _TEXT, b"")

@@ -33,11 +33,20 @@ connections that have not (yet) completed one, or one address holding many.
 
 Each connection's bytes go through its socket's ``recv``/``send`` only, so a listener can
 hand `_accept` a wrapped (e.g. TLS) socket without the rest changing.
+
+The one request shape a picker sends has a compiled path (`kvsidecar.web._pollfast`, where
+it was built): a route may carry a `FastSlot` (``route.fast_slot``) that its owner fills
+with an answer and what keeps it current; once a plain-socket connection's head has been
+answered from it here, the loop's wait serves that connection's next polls in C while they
+are those exact bytes and the slot is current (one recv, compare, load, send; the same
+counts), and hands everything else back to the Python path below. Without the extension
+(`FAST` is False) every poll takes the Python path, as before.
 """
 
 from __future__ import annotations
 
 import logging
+import select
 import selectors
 import socket
 import threading
@@ -49,7 +58,12 @@ from kvsidecar.web.gate import _head_end, _hopeless, _lines
 from kvsidecar.web.request import BadRequest, Request, parse_head
 from kvsidecar.web.sockets import format_address
 
-__all__ = ["MAX_HEAD", "PollServer", "Route"]
+try:
+    from kvsidecar.web import _pollfast
+except ImportError:  # not built (no compiler): every poll takes the Python path
+    _pollfast = None  # type: ignore[assignment]
+
+__all__ = ["FAST", "MAX_HEAD", "FastSlot", "PollServer", "Route"]
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +78,7 @@ _RECV = 8192
 _MAX_OUT = 64 * 1024  # answers not yet taken: read no more requests beyond this
 _TURN = 16  # pipelined requests answered per connection per turn of the loop
 _VERDICTS = 256  # distinct heads whose parse is kept
+_SWEEP = 0.25  # seconds between sweeps of the connections' deadlines
 _REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -75,6 +90,40 @@ _REASONS = {
     503: "Service Unavailable",
     505: "HTTP Version Not Supported",
 }
+
+
+class _PySlot:
+    """`FastSlot` where the extension is not built: filled by the route's owner, never
+    served from (the Python path re-sends its bytes by the answer's identity)."""
+
+    __slots__ = (
+        "answer",
+        "counts",
+        "epoch",
+        "key",
+        "load",
+        "mm",
+        "off",
+        "out",
+        "seq",
+        "served",
+        "until",
+        "version",
+    )  # fmt: skip
+
+    def __init__(self) -> None:
+        for name in self.__slots__:
+            setattr(self, name, None)
+        self.until, self.served = 0.0, 0
+
+
+# One route's answer and what keeps it current: `answer` (the tuple the route hands back),
+# `out` (its bytes, built here), `load(mm, off) == seq` (a word unchanged since the answer
+# was made), `epoch.version == version`, `time.monotonic() < until`; each poll served from
+# it counts `counts[key] += 1` and `served += 1`. Its owner sets `answer` (and clears
+# `out`) when it has a new one, and `answer = None` when there is none.
+FAST = _pollfast is not None
+FastSlot = _pollfast.Slot if _pollfast is not None else _PySlot
 
 
 @dataclass(eq=False)
@@ -92,6 +141,10 @@ class _Conn:
     mask: int = selectors.EVENT_READ  # what the selector waits for (0: not registered)
     close_after: bool = False  # Connection: close, or an error answer
     eof: bool = False  # the client sent its last byte: answer what it sent, then close
+    # The exact head last answered from `slot` on a plain socket: the compiled path serves
+    # these bytes while the slot is current (None: every poll takes the Python path).
+    fast_head: bytes | None = None
+    slot: object = None
 
     @property
     def busy(self) -> bool:
@@ -99,7 +152,8 @@ class _Conn:
 
 
 class PollServer:
-    """Serve `listeners` ((listening socket, route) pairs) on one background thread."""
+    """Serve `listeners` ((listening socket, route) pairs) on one background thread;
+    `compiled=False` keeps every poll on the Python path (for measuring it)."""
 
     def __init__(
         self,
@@ -109,6 +163,7 @@ class PollServer:
         head_timeout: float = 2.0,
         idle_timeout: float = 60.0,
         name: str = "kvsidecar-poll-server",
+        compiled: bool = True,
     ) -> None:
         self.listeners = list(listeners)
         self.max_connections = max_connections
@@ -127,6 +182,13 @@ class PollServer:
         # Per (route, HEAD?): the last answer tuple and its bytes (keep-alive).
         self._built: dict[tuple[Route, bool], tuple[Answer, bytes]] = {}
         self._sel = selectors.DefaultSelector()
+        # The compiled path waits on the selector's own epoll descriptor.
+        self._fast = (
+            _pollfast
+            if compiled and FAST and isinstance(self._sel, selectors.EpollSelector)
+            else None
+        )
+        self.fast_polls = 0  # polls served by the compiled path (the others: Python's)
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -173,7 +235,11 @@ class PollServer:
         last_sweep = time.monotonic()
         while not self._stop:
             try:
-                events = self._sel.select(timeout=0 if self._pending else 0.25)
+                if self._fast is not None:
+                    wait = 0.0 if self._pending else last_sweep + _SWEEP - time.monotonic()
+                    events = self._wait_fast(wait)
+                else:
+                    events = self._sel.select(timeout=0 if self._pending else _SWEEP)
             except OSError as e:  # EINTR is retried by selectors; anything else: log, go on
                 log.warning("%s: select failed: %s", self.name, e)
                 time.sleep(0.05)
@@ -204,9 +270,42 @@ class PollServer:
                     except Exception:
                         log.exception("%s: internal error", self.name)
                         self._close(conn, "error")
-            if now - last_sweep >= 0.25:
+            if now - last_sweep >= _SWEEP:
                 last_sweep = now
                 self._sweep(now)
+
+    def _wait_fast(self, timeout: float) -> list[tuple[selectors.SelectorKey, int]]:
+        """The compiled wait: serves the fast polls itself, and returns what it handed
+        back as the selector would (received bytes and unsent answers dealt with here)."""
+        back, fast = self._fast.wait(  # type: ignore[union-attr]
+            self._sel.fileno(), max(0.0, timeout), self._conns, self.requests
+        )
+        self.fast_polls += fast
+        ready = []
+        now = time.monotonic()
+        keys = self._sel.get_map()
+        for fd, event, data, rest in back:
+            conn = self._conns.get(fd)
+            if conn is not None and (rest is not None or data is not None):
+                try:
+                    if rest is not None:
+                        conn.out = rest  # answered, not all taken: the rest waits
+                        self._flush(conn, now)
+                    else:
+                        self._received(conn, data, now)
+                except Exception:  # as in the loop: one connection's bug stops no other
+                    log.exception("%s: internal error", self.name)
+                    self._close(conn, "error")
+            elif (key := keys.get(fd)) is not None:
+                # As selectors.EpollSelector reads an event.
+                mask = 0
+                if event & ~select.EPOLLIN:
+                    mask |= selectors.EVENT_WRITE
+                if event & ~select.EPOLLOUT:
+                    mask |= selectors.EVENT_READ
+                if mask & key.events:
+                    ready.append((key, mask & key.events))
+        return ready
 
     def _accept(self, listener: socket.socket, route: Route, now: float) -> None:
         for _ in range(16):  # a few per turn: a connect flood cannot starve the rest
@@ -276,6 +375,9 @@ class PollServer:
         except OSError:
             self._close(conn, None)
             return
+        self._received(conn, data, now)
+
+    def _received(self, conn: _Conn, data: bytes, now: float) -> None:
         if not data:
             if _head_end(conn.inbuf) < 0:
                 self._close(conn, None)
@@ -357,11 +459,26 @@ class PollServer:
                 self.requests[answer[0]] = self.requests.get(answer[0], 0) + 1
                 out = built[1]
                 conn.out = conn.out + out if conn.out else out
+                if not head_only:
+                    self._arm(conn, head, answer, out)
                 return
         status, body, ctype, extra = answer
         out = self._respond(conn, status, body, ctype, close, head_only, extra)
         if not close:
             self._built[(route, head_only)] = (answer, out)
+            if not head_only:
+                self._arm(conn, head, answer, out)
+
+    def _arm(self, conn: _Conn, head: bytes, answer: Answer, out: bytes) -> None:
+        """A kept-alive GET answered from its route's slot: the slot's bytes are these,
+        and this connection's next polls of the same bytes may take the compiled path
+        (plain sockets only: a wrapped one's bytes are not the socket's)."""
+        slot = getattr(conn.route, "fast_slot", None)
+        if slot is None or slot.answer is not answer:
+            return
+        slot.out = out
+        if self._fast is not None and type(conn.sock) is socket.socket:
+            conn.fast_head, conn.slot = head, slot
 
     def _respond(
         self,
