@@ -46,9 +46,10 @@ from kvsidecar.web.poll_server import PollServer
 
 # Run from a checkout of code before the candidates (`Gateway` without the sequence word),
 # the one candidate there is that code as it is: "before".
-CANDIDATES: tuple[str, ...] = ("full", "word") if hasattr(gw, "FULL_CHECK_EVERY") else ("before",)
-if getattr(poll_server, "FAST", False):
-    CANDIDATES += ("compiled",)
+CANDIDATES = ["full", "word"] if hasattr(gw, "FULL_CHECK_EVERY") else ["before"]
+COMPILED = getattr(poll_server, "FAST", False)
+if COMPILED:
+    CANDIDATES.append("compiled")
 
 
 def _thread_cpu(tid: int) -> tuple[float, float]:
@@ -98,7 +99,7 @@ def _one(
     gateway = gw.Gateway(targets)
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    options = {"compiled": cand == "compiled"} if "compiled" in CANDIDATES else {}
+    options = {"compiled": cand == "compiled"} if COMPILED else {}
     server = PollServer([(sock, gateway.route(0))], name="kvsidecar-gateway", **options)
     server.start()
     counter = os.path.join(tmp, f"floor-{cand}")
@@ -144,7 +145,11 @@ def main() -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--hz", type=float, default=400.0)
     p.add_argument("--steps-per-s", type=float, default=50.0)
+    p.add_argument(
+        "--candidates", default=",".join(CANDIDATES), help="which, comma-separated (all)"
+    )
     a = p.parse_args()
+    CANDIDATES[:] = [c for c in CANDIDATES if c in a.candidates.split(",")]
     json.dump(measure(a.seconds, a.hz, a.steps_per_s), sys.stdout, indent=1)
     print()
 

@@ -227,8 +227,8 @@ static int hand_back(PyObject *list, int fd, unsigned events, const char *data, 
 }
 
 /* One ready descriptor: served here (0), handed back (0, appended), or an error (-1). */
-static int serve_one(PyObject *list, int fd, unsigned events, PyObject *conns, PyObject *requests,
-               char *buf, double now, unsigned long long *fast) {
+static int serve_one(PyObject *list, int fd, unsigned events, PyObject *conns,
+                     PyObject *requests, char *buf, double now) {
     PyObject *fdo = PyLong_FromLong(fd);
     if (fdo == NULL) return -1;
     PyObject *conn = PyDict_GetItemWithError(conns, fdo); /* borrowed */
@@ -277,7 +277,6 @@ static int serve_one(PyObject *list, int fd, unsigned events, PyObject *conns, P
     ssize_t sent = send(fd, PyBytes_AS_STRING(out), (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (sent < 0) sent = 0; /* the Python path's flush meets the error and closes */
     slot->served++;
-    (*fast)++;
     if (count_conn(conn, now) < 0 || bump(requests, status) < 0 ||
         bump(slot->counts, slot->key) < 0) {
         Py_DECREF(out);
@@ -298,7 +297,7 @@ done:
     return r;
 }
 
-/* wait(epfd, timeout, conns, requests) -> (handed back, served here) */
+/* wait(epfd, timeout, conns, requests) -> [(fd, events, data, rest)]: handed back */
 static PyObject *py_wait(PyObject *self, PyObject *args) {
     int epfd;
     double timeout;
@@ -316,7 +315,6 @@ static PyObject *py_wait(PyObject *self, PyObject *args) {
     }
     struct epoll_event evs[MAX_EVENTS];
     double deadline = mono() + (timeout > 0 ? timeout : 0);
-    unsigned long long fast = 0;
     for (;;) {
         double left = deadline - mono();
         int ms = left > 0 ? (int)ceil(left * 1000) : 0;
@@ -331,14 +329,14 @@ static PyObject *py_wait(PyObject *self, PyObject *args) {
         }
         double now = mono();
         for (int i = 0; i < n; i++) {
-            if (serve_one(list, evs[i].data.fd, evs[i].events, conns, requests, buf, now, &fast) < 0)
+            if (serve_one(list, evs[i].data.fd, evs[i].events, conns, requests, buf, now) < 0)
                 goto fail;
         }
         /* Back to Python when it has work, or the time is up. */
         if (PyList_GET_SIZE(list) > 0 || n == 0 || now >= deadline) break;
     }
     PyMem_Free(buf);
-    return Py_BuildValue("(NK)", list, fast);
+    return list;
 fail:
     PyMem_Free(buf);
     Py_DECREF(list);
@@ -347,8 +345,8 @@ fail:
 
 static PyMethodDef methods[] = {
     {"wait", py_wait, METH_VARARGS,
-     "wait(epfd, timeout, conns, requests) -> (handed back [(fd, events, data, rest)], "
-     "served here): wait on the epoll descriptor, serve the fast polls, hand back the rest."},
+     "wait(epfd, timeout, conns, requests) -> [(fd, events, data, rest)]: wait on the epoll "
+     "descriptor, serve the fast polls (each counted in its slot), hand back the rest."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -188,7 +188,6 @@ class PollServer:
             if compiled and FAST and isinstance(self._sel, selectors.EpollSelector)
             else None
         )
-        self.fast_polls = 0  # polls served by the compiled path (the others: Python's)
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
         self._thread: threading.Thread | None = None
@@ -196,6 +195,12 @@ class PollServer:
     @property
     def connections(self) -> int:
         return len(self._conns)
+
+    @property
+    def fast_polls(self) -> int:
+        """Polls served by the compiled path so far (the others took the Python path)."""
+        slots = (getattr(route, "fast_slot", None) for _, route in self.listeners)
+        return sum(slot.served for slot in slots if slot is not None)
 
     @property
     def addresses(self) -> list[str]:
@@ -277,10 +282,9 @@ class PollServer:
     def _wait_fast(self, timeout: float) -> list[tuple[selectors.SelectorKey, int]]:
         """The compiled wait: serves the fast polls itself, and returns what it handed
         back as the selector would (received bytes and unsent answers dealt with here)."""
-        back, fast = self._fast.wait(  # type: ignore[union-attr]
+        back = self._fast.wait(  # type: ignore[union-attr]
             self._sel.fileno(), max(0.0, timeout), self._conns, self.requests
         )
-        self.fast_polls += fast
         ready = []
         now = time.monotonic()
         keys = self._sel.get_map()
