@@ -382,11 +382,18 @@ def test_make_dist_builds_an_installable_wheel_and_sdist(tmp_path: Path) -> None
         assert not (Path(REPO) / "kvsidecar" / product).exists(), "make dist leaves no file"
     assert (target / "kvsidecar" / "agent" / "__init__.py").exists()
     assert list((target / "kvsidecar" / "protocol").glob("_seqlock*.so"))
+    assert list((target / "kvsidecar" / "web").glob("_pollfast*.so"))  # built where it can be
     import tarfile
 
     with tarfile.open(sdists[0]) as tf:
         names = {n.split("/", 1)[1] for n in tf.getnames() if "/" in n}
-    for needed in ("setup.py", "pyproject.toml", "kvsidecar/protocol/_seqlock.c", "agent/pool.py"):
+    for needed in (
+        "setup.py",
+        "pyproject.toml",
+        "kvsidecar/protocol/_seqlock.c",
+        "kvsidecar/web/_pollfast.c",
+        "agent/pool.py",
+    ):
         assert needed in names, needed
 
 

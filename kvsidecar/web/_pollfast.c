@@ -231,7 +231,7 @@ static int serve_one(PyObject *list, int fd, unsigned events, PyObject *conns,
                      PyObject *requests, char *buf, double now) {
     PyObject *fdo = PyLong_FromLong(fd);
     if (fdo == NULL) return -1;
-    PyObject *conn = PyDict_GetItemWithError(conns, fdo); /* borrowed */
+    PyObject *conn = PyDict_GetItemWithError(conns, fdo);
     Py_DECREF(fdo);
     if (conn == NULL) {
         if (PyErr_Occurred()) return -1;
@@ -243,6 +243,7 @@ static int serve_one(PyObject *list, int fd, unsigned events, PyObject *conns,
         PyErr_Clear();
         return hand_back(list, fd, events, NULL, 0, NULL);
     }
+    Py_INCREF(conn); /* borrowed from the dict: held while its attributes are set */
     PyObject *slot_o = PyObject_GetAttr(conn, s_slot);
     if (slot_o == NULL) PyErr_Clear();
     int r;
@@ -294,6 +295,7 @@ static int serve_one(PyObject *list, int fd, unsigned events, PyObject *conns,
 done:
     Py_DECREF(head);
     Py_XDECREF(slot_o);
+    Py_DECREF(conn);
     return r;
 }
 

@@ -165,3 +165,44 @@ def test_without_the_extension_every_poll_takes_the_python_path(tmp_path):
     assert got["fast"] is False
     check_answers(got)
     assert tuple(got["end"]) == (0, 58, 2, 2)  # every poll answered by Python, the same checks
+
+
+class _Wrapped(socket.socket):
+    """A connection whose bytes are not the plain socket's (as a TLS socket's are not)."""
+
+
+class _WrappingListener(socket.socket):
+    def accept(self):
+        sock, addr = super().accept()
+        return _Wrapped(sock.family, sock.type, sock.proto, fileno=sock.detach()), addr
+
+
+def test_a_wrapped_connection_never_takes_the_compiled_path(tmp_path):
+    """The compiled path reads and writes the descriptor itself: a wrapped (TLS) socket's
+    polls all take the Python path, answered as the plain socket's are."""
+    shm = _shm(tmp_path)
+    writer = SegmentWriter("kvsidecar.gw.dp0", shm_dir=shm)
+    targets = TargetSet(Discovery(shm), polling=Polling(poll_interval=0.25, stale_after=30))
+    writer.publish(gw.build("vllm", 0, "both", 1))
+    targets.poll_all()
+    gateway = Gateway(targets, stale_after=3600.0)
+    listener = _WrappingListener(socket.AF_INET, socket.SOCK_STREAM)
+    listener.bind(("127.0.0.1", 0))
+    listener.listen()
+    server = poll_server.PollServer([(listener, gateway.route(0))])
+    server.start()
+    s = socket.create_connection(listener.getsockname(), timeout=30)
+    f = s.makefile("rb")
+    try:
+        for _ in range(20):
+            s.sendall(HEAD)
+            assert _read(f)[:2] == (200, b"1")
+        assert [type(c.sock) for c in server._conns.values()] == [_Wrapped]
+        assert server.fast_polls == 0
+        assert gateway.answers[(0, "ok")] == 20
+    finally:
+        f.close()
+        s.close()
+        server.shutdown()
+        targets.stop()
+        writer.close()
