@@ -19,6 +19,7 @@ import time
 
 from kvsidecar.daemon.budget import Budget
 from kvsidecar.daemon.config import Discovery, Polling, Tuning
+from kvsidecar.daemon.dirwatch import DirWatch
 from kvsidecar.daemon.refusals import (
     GEN_MASK,
     Refusals,
@@ -32,7 +33,7 @@ from kvsidecar.daemon.refusals import (
     with_gen,
 )
 from kvsidecar.daemon.target import DEAD, OVER_BUDGET, REFUSED, NameThrottle, Target
-from kvsidecar.discovery import iter_segments
+from kvsidecar.discovery import iter_segments, segment_name
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR
 
 _MTIME_SETTLE_NS = 2_000_000_000  # tmpfs mtimes are coarse: trust one only once it is this old
@@ -42,7 +43,10 @@ _MTIME_SETTLE_NS = 2_000_000_000  # tmpfs mtimes are coarse: trust one only once
 LISTING_PACE = 20
 LISTING_FREE_S = 0.005  # a listing cheaper than this is not paced (a small directory)
 # While refused files are not remembered, an unchanged directory is listed again this
-# often, so one of them edited or chowned in place is still noticed.
+# often, so one of them edited or chowned in place is still noticed; with an inotify
+# watch (dirwatch.py), the directory is listed again this often whatever it holds (what
+# inotify cannot say: a slot freed for a file refused at --max-targets, a dead target
+# displaced for a live engine coming back).
 RELIST_UNREMEMBERED_S = 60.0
 # Reader refusals that are the daemon's own shortage, not the file's fault: retry, never cache.
 _TRANSIENT = {
@@ -112,6 +116,8 @@ class Scan:
         self._next_listing = 0.0  # monotonic time before which the directory is not listed
         self._relist_at = float("inf")  # an unchanged directory is listed again then
         self._dir_key: tuple[int, int, int, int] | None = None
+        self._watch: DirWatch | None = None  # what changed, from inotify (dirwatch.py)
+        self._watch_listed = False  # a listing was made since the watch was set
         self._error_logged: dict[str, float] = {}
         self._waiting_logged = False  # "the default directory does not exist yet", once
         self._default_dir_said: tuple | None = None  # what _warn_default_dir last warned of
@@ -135,11 +141,25 @@ class Scan:
                 self._warn_default_dir(st)
             # ctime too: a chmod (an unreadable directory) must be seen at once.
             dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-            # Unchanged: nothing was added, removed or renamed since the last listing.
-            # Changed too soon: the last listing's cost says wait (a flood of changes).
-            if (dir_key == self._dir_key and now < self._relist_at) or now < self._next_listing:
+            watch = self._watched(st)
+            # Changed too soon: the last look's cost says wait (a flood of changes); the
+            # watch's events wait in the kernel's queue (an overflow means a listing).
+            # No watch, and unchanged: nothing was added, removed or renamed since the last
+            # listing.
+            unchanged = watch is None and dir_key == self._dir_key and now < self._relist_at
+            if unchanged or now < self._next_listing:
                 self._discovery_ok()
-                self._recheck_some()
+                if watch is None:  # with one, an in-place change is an event
+                    self._recheck_some()
+                self.refusals.flush_summary(now)
+                return
+            # With a watch: the names it says changed, unless only a listing can tell.
+            changes = watch.changes(self.recheck_per_scan, self._wanted) if watch else None
+            if changes is not None and self._watch_listed and now < self._relist_at:
+                self._discovery_ok()
+                if self._judge(changes):
+                    self._relist_at = now  # a slot freed: --max-targets refusals may fit
+                self._pace(now, cpu)
                 self.refusals.flush_summary(now)
                 return
             seen, todo = self._list()
@@ -157,6 +177,7 @@ class Scan:
                 self._waiting_logged = True
             self._discovery_ok()
             self._dir_key = None
+            self._watch_listed = False
             self.refusals.entries.clear()
             self._rescan(set(), [])
             self.refusals.unremembered = 0
@@ -170,12 +191,55 @@ class Scan:
         self._dir_key = dir_key if settled else None
         self._rescan(seen, todo)
         self.refusals.unremembered = self.refusals.overflow
-        self._relist_at = (
-            now + RELIST_UNREMEMBERED_S if self.refusals.unremembered else float("inf")
-        )
+        relist = self.refusals.unremembered or watch is not None
+        self._relist_at = now + RELIST_UNREMEMBERED_S if relist else float("inf")
+        self._watch_listed = watch is not None
+        self._pace(now, cpu)
+        self.refusals.flush_summary(now)
+
+    def _pace(self, now: float, cpu: float) -> None:
+        """A look that cost d CPU-seconds (since `cpu`) is not repeated before 20 d."""
         cost = time.thread_time() - cpu
         self._next_listing = now + LISTING_PACE * cost if cost > LISTING_FREE_S else 0.0
-        self.refusals.flush_summary(now)
+
+    def _wanted(self, name: str) -> bool:
+        return segment_name(name, self.prefix, self.pattern) or name in self.explicit
+
+    def _watched(self, st: os.stat_result) -> DirWatch | None:
+        """The directory's inotify watch (set now if it is new, or another directory),
+        or None where there can be none."""
+        dev_ino = (st.st_dev, st.st_ino)
+        if self._watch is None or self._watch.dev_ino != dev_ino:
+            if self._watch is not None:
+                self._watch.close()
+            self._watch = DirWatch(self.shm_dir, dev_ino)  # before the listing it needs
+            self._watch_listed = False
+        return self._watch if self._watch.active else None
+
+    def _judge(self, names: set[str]) -> bool:
+        """Judge the names the watch says changed, as a listing would: a gone file is
+        forgotten (target or refusal), a new or changed one considered (an unchanged
+        refusal costs its lstat). True if a target was forgotten."""
+        explicit = set(self.explicit)
+        forgot = False
+        for name in sorted(names, key=lambda n: (n not in explicit, n)):
+            try:
+                ino = os.lstat(self.shm_dir + "/" + name).st_ino
+            except FileNotFoundError:
+                if name in self.targets and name not in explicit:
+                    if self.targets[name].shown:
+                        self._note(name, logging.INFO, "gone, forgetting it")
+                    self.targets.pop(name).close()
+                    forgot = True
+                self.refusals.forget(name)
+                if name in explicit and name not in self.targets:
+                    self._consider(name, 0, True)
+                continue
+            except OSError:
+                ino = 0  # _screen says what it can
+            if name not in self.targets:  # a target sees its own file replaced
+                self._consider(name, ino, name in explicit)
+        return forgot
 
     def _list(self) -> tuple[set[str], list[tuple[str, int]]]:
         """One pass over the directory, keeping nothing per entry: the targets it lists,
@@ -383,6 +447,7 @@ class Scan:
         self.discovery_errors_total = bump(self.discovery_errors_total, cause)
         self.discovery_error = f"cannot list {self.shm_dir}: {e.strerror or e} ({cause})"
         self._dir_key = None
+        self._watch_listed = False
         self._log_error(
             cause, f"{self.discovery_error}; keeping the {len(self.targets)} known target(s)"
         )
