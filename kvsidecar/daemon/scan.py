@@ -1,9 +1,11 @@
 """The shm directory's scanning: which files become targets, which are refused, and why.
 
 The directory is shared with other local users, so a scan is built to cost little
-whatever they put there: a refused file costs at most an ``lstat`` per rescan
-(refusals.py remembers it), a listing is paced by what it cost (at most 1/LISTING_PACE of
-a core however often the directory changes), the number of followed targets is capped, a
+whatever they put there: an inotify watch (dirwatch.py) says which names changed, so a
+scan looks at those only and lists the directory only when the kernel cannot say (or
+once a minute), a refused file costs at most an ``lstat`` per rescan (refusals.py
+remembers it), a look is paced by what it cost (at most 1/LISTING_PACE of a core however
+often the directory changes), the number of followed targets is capped, a
 file that vanished before it could be read mints nothing, and a failing ``listdir`` keeps
 every known target (see docs/security.md). Prometheus keeps finding (`discovery/`) apart
 from scraping (`scrape/`) the same way; targets.py polls what this finds.
