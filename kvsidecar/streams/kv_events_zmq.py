@@ -62,9 +62,10 @@ HEARTBEAT_S = 1.0
 # buffer's bytes), at most MAX_PENDING_REPLAYS clients at once (the oldest request is
 # dropped for a new one), and a client that takes nothing for REPLAY_STALL_S is dropped:
 # a replay client that never reads holds a few messages, not the buffer. A subscriber
-# that does not read is dropped by the PUB at its SNDHWM (--kv-events.hwm messages, as
-# vLLM's), never waited for.
+# that does not read is dropped by the PUB at its SNDHWM (at most PUB_QUEUE_MSGS messages,
+# sent without a copy: every subscriber's queue refers to the same bytes), never waited for.
 REPLAY_BUFFER_BYTES = 4 * 1024 * 1024
+PUB_QUEUE_MSGS = 1024
 REPLAY_QUEUE_MSGS = 16
 MAX_PENDING_REPLAYS = 64
 REPLAY_STALL_S = 5.0
@@ -293,7 +294,8 @@ class RankPublisher:
         o = self.options
         self.dp_rank = dp_rank
         pub = self._ctx.socket(zmq.PUB)
-        pub.set_hwm(o.hwm)
+        pub.setsockopt(zmq.SNDHWM, min(o.hwm, PUB_QUEUE_MSGS))
+        pub.setsockopt(zmq.RCVHWM, min(o.hwm, PUB_QUEUE_MSGS))
         pub.setsockopt(zmq.LINGER, 0)
         try:
             pub.bind(offset_endpoint_port(o.endpoint, dp_rank))
@@ -438,7 +440,7 @@ class RankPublisher:
             )
             seq = self.seq.to_bytes(8, "big")
             try:
-                pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK)
+                pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # PUB drops for slow subscribers itself; never wait
                 pass
             self._remember(self.seq, payload)
