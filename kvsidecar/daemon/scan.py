@@ -75,6 +75,13 @@ def _refuse_open_directory(path: str, st: os.stat_result) -> None:
         )
 
 
+def _paced(now: float, cpu: float) -> float:
+    """When a look that began at `now`, `cpu` (thread time) may be repeated: a look that
+    cost d CPU-seconds not before 20 d (one under LISTING_FREE_S at once)."""
+    cost = time.thread_time() - cpu
+    return now + LISTING_PACE * cost if cost > LISTING_FREE_S else 0.0
+
+
 def _transient_cause(error: str) -> str | None:
     for text, cause in _TRANSIENT.items():
         if error.endswith(text):
@@ -116,6 +123,7 @@ class Scan:
         self.last_scan = 0.0  # monotonic time of the last discover()
         self._recheck_queue: list[str] = []
         self._next_listing = 0.0  # monotonic time before which the directory is not listed
+        self._next_look = 0.0  # and before which the watch's changes are not looked at
         self._relist_at = float("inf")  # an unchanged directory is listed again then
         self._dir_key: tuple[int, int, int, int] | None = None
         self._watch: DirWatch | None = None  # what changed, from inotify (dirwatch.py)
@@ -144,25 +152,17 @@ class Scan:
             # ctime too: a chmod (an unreadable directory) must be seen at once.
             dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
             watch = self._watched(st)
-            # Changed too soon: the last look's cost says wait (a flood of changes); the
-            # watch's events wait in the kernel's queue (an overflow means a listing).
-            # No watch, and unchanged: nothing was added, removed or renamed since the last
-            # listing.
-            unchanged = watch is None and dir_key == self._dir_key and now < self._relist_at
-            if unchanged or now < self._next_listing:
-                self._discovery_ok()
-                if watch is None:  # with one, an in-place change is an event
+            if watch is None:
+                # Unchanged: nothing was added, removed or renamed since the last listing.
+                # Changed too soon: the last listing's cost says wait (a flood of changes).
+                if (dir_key == self._dir_key and now < self._relist_at) or (
+                    now < self._next_listing
+                ):
+                    self._discovery_ok()
                     self._recheck_some()
-                self.refusals.flush_summary(now)
-                return
-            # With a watch: the names it says changed, unless only a listing can tell.
-            changes = watch.changes(self.recheck_per_scan, self._wanted) if watch else None
-            if changes is not None and self._watch_listed and now < self._relist_at:
-                self._discovery_ok()
-                if self._judge(changes):
-                    self._relist_at = now  # a slot freed: --max-targets refusals may fit
-                self._pace(now, cpu)
-                self.refusals.flush_summary(now)
+                    self.refusals.flush_summary(now)
+                    return
+            elif self._look(watch, now, cpu):
                 return
             seen, todo = self._list()
         except FileNotFoundError as e:
@@ -196,13 +196,32 @@ class Scan:
         relist = self.refusals.unremembered or watch is not None
         self._relist_at = now + RELIST_UNREMEMBERED_S if relist else float("inf")
         self._watch_listed = watch is not None
-        self._pace(now, cpu)
+        self._next_listing = _paced(now, cpu)
         self.refusals.flush_summary(now)
 
-    def _pace(self, now: float, cpu: float) -> None:
-        """A look that cost d CPU-seconds (since `cpu`) is not repeated before 20 d."""
-        cost = time.thread_time() - cpu
-        self._next_listing = now + LISTING_PACE * cost if cost > LISTING_FREE_S else 0.0
+    def _look(self, watch: DirWatch, now: float, cpu: float) -> bool:
+        """With a watch: judge the names it says changed; False if a listing is due (the
+        kernel cannot say, or the minute's listing) and its pacing allows one now. Looks
+        and listings are paced apart: a listing's cost never delays a new engine's look."""
+        if now < self._next_look:  # a flood of changed names: they wait in the kernel
+            self._discovery_ok()
+            self.refusals.flush_summary(now)
+            return True
+        changes = watch.changes(self.recheck_per_scan, self._wanted)
+        if changes is None:
+            self._watch_listed = False  # only a listing can say what is there now
+        if not self._watch_listed or (now >= self._relist_at and now >= self._next_listing):
+            if now >= self._next_listing:
+                return False
+            self._discovery_ok()
+            self.refusals.flush_summary(now)
+            return True
+        self._discovery_ok()
+        if changes and self._judge(changes):
+            self._relist_at = now  # a slot freed: --max-targets refusals may fit
+        self._next_look = _paced(now, cpu)
+        self.refusals.flush_summary(now)
+        return True
 
     def _wanted(self, name: str) -> bool:
         return segment_name(name, self.prefix, self.pattern) or name in self.explicit

@@ -26,6 +26,7 @@ NOBODY = 65534
 FILES = MAX_REFUSED + 4_000  # some refused files are not remembered
 SCANS = 20
 LATE = "kvsidecar.late.dp0.tp0.pp0"
+OTHER = "kvsidecar.other.dp0.tp0.pp0"
 
 
 @pytest.fixture
@@ -49,10 +50,10 @@ def _flood(shm_dir: str) -> None:
 
 
 def _scans(ts: TargetSet, n: int) -> Iterator[int]:
-    """n scans, each past the pacing of the last one (what the daemon's loop does, at its
-    own interval): yields the scan's number after each."""
+    """n scans, each past the pacing of the last look at the watch's changes (not of the
+    last listing: its cost must not delay a new engine): yields each scan's number."""
     for k in range(n):
-        time.sleep(max(0.0, ts.scan._next_listing - time.monotonic()))
+        time.sleep(max(0.0, getattr(ts.scan, "_next_look", 0.0) - time.monotonic()))
         ts.discover()
         yield k
 
@@ -64,9 +65,13 @@ def test_a_changing_directory_costs_a_scan_only_the_changed_names(
     ts = TargetSet(Discovery(shm_dir, prefix="kvsidecar."))
     writers = []
     try:
-        for _ in _scans(ts, 2):  # the first listing, then past its pacing
-            pass
+        ts.discover()  # the first listing: 20,384 entries, paced by its cost
         assert ts.refusals.count == FILES
+        # A new engine right after it is found at the next scan (bc42d3d: once the
+        # listing's pacing allowed another listing, up to 20 times its cost later).
+        writers.append(fork_writer(LATE, shm_dir))
+        next(_scans(ts, 1))
+        assert LATE in ts.targets
         before = dict(counted)
         for k in _scans(ts, SCANS):
             # The neighbour changes the directory before every scan: a file made and gone.
@@ -79,11 +84,11 @@ def test_a_changing_directory_costs_a_scan_only_the_changed_names(
         assert counted["scandir"] == before["scandir"], counted
         assert ts.refusals.count == FILES
 
-        # A new engine is found at the next scan, in a few lstats.
-        writers.append(fork_writer(LATE, shm_dir))
+        # Another is found at the next scan, in a few lstats.
+        writers.append(fork_writer(OTHER, shm_dir))
         before = dict(counted)
         next(_scans(ts, 1))
-        assert LATE in ts.targets
+        assert OTHER in ts.targets
         assert counted["lstat"] - before["lstat"] <= 4
         assert counted["scandir"] == before["scandir"]
 
