@@ -52,12 +52,37 @@ def _writer(shm_dir: str, blocks: int) -> int:
     return pid
 
 
+def _wait_published(ctx: zmq.Context, endpoint: str, timeout: float = 300.0) -> None:
+    """Until a replay from 0 answers a batch: the first full state was published (a
+    client that reads it whole, so what it took is freed before the measure)."""
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        c = ctx.socket(zmq.DEALER)
+        try:
+            c.connect(endpoint)
+            c.send_multipart([b"", (0).to_bytes(8, "big")])
+            got = 0
+            while c.poll(30_000):
+                frames = c.recv_multipart()
+                if frames[2] == (-1).to_bytes(8, "big", signed=True):
+                    break
+                got += 1
+            if got:
+                return
+        finally:
+            c.close(linger=0)
+        time.sleep(0.5)
+    raise RuntimeError(f"no full state from {endpoint} in {timeout} s")
+
+
 def _peak(pid: int) -> int:
     with open(f"/proc/{pid}/status") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmHWM:"))
 
 
-def run(blocks: int = 100_000, subscribers: int = 32, replays: int = 32) -> dict[str, Any]:
+def run(
+    blocks: int = 100_000, subscribers: int = 32, replays: int = 32, settle: float = 10.0
+) -> dict[str, Any]:
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-kvmem-", dir="/dev/shm")
     port, replay = free_port(), free_port()
     writer = _writer(shm_dir, blocks)
@@ -71,7 +96,8 @@ def run(blocks: int = 100_000, subscribers: int = 32, replays: int = 32) -> dict
             "--kv-events.replay-endpoint", f"tcp://127.0.0.1:{replay}",
             wait_for_source=False, stderr=subprocess.DEVNULL,
         )  # fmt: skip
-        time.sleep(5 + blocks / 20_000)  # the first full state published
+        _wait_published(ctx, f"tcp://127.0.0.1:{replay}")
+        time.sleep(1.0)
         rss0, peak0 = proc_stat(daemon.pid)[0], _peak(daemon.pid)
         for _ in range(subscribers):
             s = ctx.socket(zmq.SUB)
@@ -87,7 +113,7 @@ def run(blocks: int = 100_000, subscribers: int = 32, replays: int = 32) -> dict
             c.connect(f"tcp://127.0.0.1:{replay}")
             c.send_multipart([b"", (0).to_bytes(8, "big")])
             socks.append(c)
-        time.sleep(10 + blocks / 10_000)
+        time.sleep(settle)
         return {
             "blocks": blocks,
             "subscribers": subscribers,
