@@ -54,6 +54,21 @@ MAX_RECORDS_PER_POLL = 16384
 # subscriber that (re)connected learns the sequence, sees a gap or a restarted
 # publisher, and asks for a replay without waiting for the engine's next event.
 HEARTBEAT_S = 1.0
+# What one rank's publisher may hold, in bytes, whatever the engine or the clients do
+# (docs/kv-events.md, "Memory"): the replay buffer keeps the last --kv-events.buffer-steps
+# batches while they fit REPLAY_BUFFER_BYTES (older ones go first: a replay from before
+# them gets the full state); an answer to a replay request is queued to its client a few
+# messages at a time (REPLAY_QUEUE_MSGS: the ROUTER's SNDHWM, messages that share the
+# buffer's bytes), at most MAX_PENDING_REPLAYS clients at once (the oldest request is
+# dropped for a new one), and a client that takes nothing for REPLAY_STALL_S is dropped:
+# a replay client that never reads holds a few messages, not the buffer. A subscriber
+# that does not read is dropped by the PUB at its SNDHWM (at most PUB_QUEUE_MSGS messages,
+# sent without a copy: every subscriber's queue refers to the same bytes), never waited for.
+REPLAY_BUFFER_BYTES = 4 * 1024 * 1024
+PUB_QUEUE_MSGS = 1024
+REPLAY_QUEUE_MSGS = 16
+MAX_PENDING_REPLAYS = 64
+REPLAY_STALL_S = 5.0
 
 
 class _State:
@@ -169,6 +184,13 @@ class RankPublisher:
         self._replay: zmq.Socket | None = None
         self.seq = -1  # the last published batch (vLLM starts at 0)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=options.buffer_steps)
+        self.buffer_bytes = 0  # of the payloads in _buffer
+        # Replay answers still to send: client -> [messages left, monotonic time of the
+        # last one the client's queue took, the sequence of the full state it sends or -1].
+        self._pending: dict[bytes, list] = {}
+        # The full state's batches at one sequence, shared by the answers that send it:
+        # one full state is held at a time (an answer sending an older one is dropped).
+        self._state_cache: tuple[int, list[bytes]] = (-1, [])
         self._state: _State | None = None
         self._incarnation = 0
         self._next = 1  # the next ring record to read
@@ -272,7 +294,8 @@ class RankPublisher:
         o = self.options
         self.dp_rank = dp_rank
         pub = self._ctx.socket(zmq.PUB)
-        pub.set_hwm(o.hwm)
+        pub.setsockopt(zmq.SNDHWM, min(o.hwm, PUB_QUEUE_MSGS))
+        pub.setsockopt(zmq.RCVHWM, min(o.hwm, PUB_QUEUE_MSGS))
         pub.setsockopt(zmq.LINGER, 0)
         try:
             pub.bind(offset_endpoint_port(o.endpoint, dp_rank))
@@ -280,8 +303,11 @@ class RankPublisher:
             if o.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
-                # A full replay plus its end marker fits (vLLM 0.33's fix for slow clients).
-                replay.setsockopt(zmq.SNDHWM, 2 * (o.buffer_steps + 1))
+                # A client's queue holds a few messages: the rest of its answer waits in
+                # _pending (shared bytes) until it takes them, so a slow client still gets
+                # the whole replay (vLLM 0.33's fix) and one that never reads costs little.
+                replay.setsockopt(zmq.SNDHWM, REPLAY_QUEUE_MSGS)
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so: Again
                 try:
                     replay.bind(offset_endpoint_port(o.replay_endpoint, dp_rank))
                 except zmq.ZMQError:
@@ -414,20 +440,35 @@ class RankPublisher:
             )
             seq = self.seq.to_bytes(8, "big")
             try:
-                pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK)
+                pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # PUB drops for slow subscribers itself; never wait
                 pass
-            self._buffer.append((self.seq, payload))
+            self._remember(self.seq, payload)
             self._last_sent = time.monotonic()
             self.stats["batches"] += 1
             self.stats["events"] += len(chunk)
 
+    def _remember(self, seq: int, payload: bytes) -> None:
+        """Into the replay buffer: the last buffer_steps batches, within REPLAY_BUFFER_BYTES
+        (the newest is kept whatever its size)."""
+        buf = self._buffer
+        if len(buf) == buf.maxlen:
+            self.buffer_bytes -= len(buf[0][1])
+        buf.append((seq, payload))
+        self.buffer_bytes += len(payload)
+        while self.buffer_bytes > REPLAY_BUFFER_BYTES and len(buf) > 1:
+            self.buffer_bytes -= len(buf.popleft()[1])
+
     def _serve_replay(self, timeout: float) -> None:
-        """Wait up to timeout for replay requests (or just sleep without a ROUTER)."""
+        """Wait up to timeout for replay requests (or just sleep without a ROUTER), and
+        send what the pending answers' clients can take."""
         replay = self._replay
         if replay is None:
             self._stop.wait(timeout)
             return
+        if self._pending:
+            self._send_pending()
+            timeout = min(timeout, self.options.poll_interval)
         if not replay.poll(int(timeout * 1000)):
             return
         while replay.poll(0):
@@ -442,27 +483,54 @@ class RankPublisher:
             self._answer_replay(client, int.from_bytes(start_bytes, "big"))
 
     def _answer_replay(self, client: bytes, start: int) -> None:
+        """Queue the answer (references to the buffer's payloads, or the full state's
+        batches), then send what the client's queue takes now."""
+        oldest = self._buffer[0][0] if self._buffer else self.seq + 1
+        state = -1
+        if start < oldest and self.reader is not None and self.seq >= 0:
+            # Older than the buffer: the full state as of the last published sequence.
+            state = self.seq
+            if self._state_cache[0] != state:
+                self._pending = {c: p for c, p in self._pending.items() if p[2] < 0}
+                self._state_cache = (state, [])  # the old batches go before the new are built
+                self._state_cache = (state, self._state_batches())
+            seq = state.to_bytes(8, "big")
+            answer = [(self._topic, seq, payload) for payload in self._state_cache[1]]
+        else:
+            answer = [
+                (self._topic, seq.to_bytes(8, "big"), payload)
+                for seq, payload in self._buffer
+                if seq >= start
+            ]
+        answer.append((b"", END_SEQ, b""))
+        answer.reverse()  # popped from the end
+        self._pending.pop(client, None)  # a new request replaces the client's old one
+        while len(self._pending) >= MAX_PENDING_REPLAYS:
+            del self._pending[next(iter(self._pending))]  # the oldest request
+        self._pending[client] = [answer, time.monotonic(), state]
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        """Send each pending answer's next messages while its client's queue takes them;
+        drop the answer of a client gone, or that took nothing for REPLAY_STALL_S."""
         replay = self._replay
         assert replay is not None
-        oldest = self._buffer[0][0] if self._buffer else self.seq + 1
-        try:
-            if start < oldest and self.reader is not None and self.seq >= 0:
-                # Older than the buffer: the full state as of the last published sequence.
-                for payload in self._state_batches():
-                    replay.send_multipart(
-                        (client, b"", self._topic, self.seq.to_bytes(8, "big"), payload),
-                        flags=zmq.NOBLOCK,
-                    )
-            else:
-                for seq, payload in self._buffer:
-                    if seq >= start:
-                        replay.send_multipart(
-                            (client, b"", self._topic, seq.to_bytes(8, "big"), payload),
-                            flags=zmq.NOBLOCK,
-                        )
-            replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-        except zmq.Again:  # the client does not read: drop the rest, never wait
-            pass
+        now = time.monotonic()
+        for client, pending in list(self._pending.items()):
+            answer = pending[0]
+            try:
+                while answer:
+                    replay.send_multipart((client, b"", *answer[-1]), flags=zmq.NOBLOCK, copy=False)
+                    answer.pop()
+                    pending[1] = now
+            except zmq.Again:  # its queue is full: the rest waits, unless it stalled
+                if now - pending[1] < REPLAY_STALL_S:
+                    continue
+            except zmq.ZMQError:  # EHOSTUNREACH: the client is gone
+                pass
+            del self._pending[client]
+        if not any(p[2] >= 0 for p in self._pending.values()):
+            self._state_cache = (-1, [])
 
     def _state_batches(self) -> list[bytes]:
         """The announced state as batches: AllBlocksCleared + BlockStored per block whose
