@@ -226,6 +226,15 @@ GATEWAY_MAX_CONNECTIONS = _s(
     DAEMON,
     flag="--gateway.max-connections",
 )
+GATEWAY_WEB_CONFIG_FILE = _s(
+    "GATEWAY_WEB_CONFIG_FILE",
+    "path",
+    None,
+    "TLS and client certificates on the gateway listeners: a web config file (exporter-toolkit "
+    "format) with only tls_server_config, reloaded as --web.config.file is",
+    DAEMON,
+    flag="--gateway.web-config-file",
+)
 GATEWAY_STALE_AFTER = _s(
     "GATEWAY_STALE_AFTER",
     "float",

@@ -198,6 +198,17 @@ def _telemetry_path(value: str) -> str:
     help="Open gateway connections, all listeners together; the idlest makes room at the cap.",
 )
 @click.option(
+    "--gateway.web-config-file",
+    "gateway_web_config_file",
+    type=click.Path(dir_okay=False),
+    default=settings.GATEWAY_WEB_CONFIG_FILE.default,
+    envvar=settings.GATEWAY_WEB_CONFIG_FILE.name,
+    help=(
+        "Serve the gateway over TLS (client certificates optional): a web config file with "
+        "only tls_server_config, re-read on change and on SIGHUP (docs/gateway.md)."
+    ),
+)
+@click.option(
     "--gateway.stale-after",
     "gateway_stale_after",
     type=click.FloatRange(0.05, 3600),

@@ -82,6 +82,9 @@ class GatewayOptions:
     max_connections: int = 256
     # Seconds without progress after which a rank is answered 503 (docs/gateway.md).
     stale_after: float = GATEWAY_STALE_AFTER.default
+    # TLS on the gateway listeners: a web config file holding only tls_server_config
+    # (kvsidecar/web/poll_tls.py); None: plain HTTP.
+    web_config_file: str | None = None
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
 from kvsidecar.daemon.config import GatewayOptions
 from kvsidecar.daemon.gateway_body import CONTENT_TYPE, render, timeless
@@ -35,6 +36,9 @@ from kvsidecar.protocol.reader import Reading
 from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS, GATEWAY_STALE_AFTER
 from kvsidecar.web.poll_server import PollServer, Route
 from kvsidecar.web.sockets import bind
+
+if TYPE_CHECKING:
+    from kvsidecar.web.poll_tls import PollTLS
 
 __all__ = ["METRICS_PATH", "OUTCOMES", "Gateway", "GatewayListenError", "start_gateway"]
 
@@ -193,9 +197,12 @@ class GatewayListenError(Exception):
     """A gateway listener could not be bound; the message names the address and the fix."""
 
 
-def start_gateway(targets: TargetSet, options: GatewayOptions) -> PollServer:
+def start_gateway(
+    targets: TargetSet, options: GatewayOptions, tls: PollTLS | None = None
+) -> PollServer:
     """Bind one listener per DP rank (port, port + 1, ...) and serve them on a thread of
-    their own. Port 0 binds the first on any free port and the others on free ports too."""
+    their own, over TLS when `tls` is given (`--gateway.web-config-file`). Port 0 binds the
+    first on any free port and the others on free ports too."""
     (host, port), ranks = options.address, options.ranks
     socks: list[socket.socket] = []
     try:
@@ -221,6 +228,7 @@ def start_gateway(targets: TargetSet, options: GatewayOptions) -> PollServer:
         list(zip(socks, gateway.routes(ranks))),
         max_connections=options.max_connections,
         name="kvsidecar-gateway",
+        tls=tls,
     )
     server.gateway = gateway  # type: ignore[attr-defined]  # its answers, for the collector
     server.start()

@@ -113,10 +113,16 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
     gateway = None
     if config.gateway is not None:
         from kvsidecar.daemon.gateway import GatewayListenError, start_gateway
+        from kvsidecar.web.poll_tls import PollTLS
 
         try:
-            gateway = start_gateway(targets, config.gateway)
-        except GatewayListenError as e:
+            gateway_tls = (
+                PollTLS.load(config.gateway.web_config_file)
+                if config.gateway.web_config_file
+                else None
+            )
+            gateway = start_gateway(targets, config.gateway, gateway_tls)
+        except (GatewayListenError, WebConfigError) as e:
             _start_error(str(e))
             _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
         daemon.gateway_server = gateway
@@ -194,6 +200,8 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
             hangups.clear()
             log.info("received SIGHUP, reloading the web config")
             server.reload()
+            if gateway is not None and gateway.tls is not None:
+                gateway.tls.reload()
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
     if kv_events is not None:
         kv_events.stop()

@@ -4,8 +4,9 @@
 Why not the main front (`server.py`): the picker's polls must never queue behind
 Prometheus renders, bcrypt checks or an attacker on the main port, and each one should
 cost microseconds. So this server has its own thread, its own selector and its own
-connection budget, and does only what a poll needs: no TLS, no auth, no compression, no
-asyncio. Each listening socket is bound to one `Route` (e.g. one listener per engine rank).
+connection budget, and does only what a poll needs: no auth, no compression, no asyncio;
+TLS when given one (`tls`: kvsidecar/web/poll_tls.py wraps each accepted socket).
+Each listening socket is bound to one `Route` (e.g. one listener per engine rank).
 
 The budget, by design rather than by attack shape:
 * at most `max_connections` open connections, all listeners together; at the cap a
@@ -26,8 +27,12 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvsidecar.web.sockets import format_address
+
+if TYPE_CHECKING:
+    from kvsidecar.web.poll_tls import PollTLS
 
 __all__ = ["MAX_HEAD", "PollServer", "Route"]
 
@@ -62,7 +67,7 @@ def _header(low_headers: bytes, name: bytes) -> bytes:
 
 @dataclass(eq=False)
 class _Conn:
-    sock: socket.socket
+    sock: Any  # a socket.socket, or a poll_tls.TLSSocket
     route: Route
     inbuf: bytearray = field(default_factory=bytearray)
     out: bytes = b""
@@ -87,8 +92,10 @@ class PollServer:
         head_timeout: float = 2.0,
         idle_timeout: float = 60.0,
         name: str = "kvsidecar-poll-server",
+        tls: PollTLS | None = None,
     ) -> None:
         self.listeners = list(listeners)
+        self.tls = tls
         self.max_connections = max_connections
         self.head_timeout = head_timeout
         self.idle_timeout = idle_timeout
@@ -191,8 +198,15 @@ class PollServer:
             except OSError:
                 pass
             conn = _Conn(sock, route, progress=now)
-            self._conns[sock.fileno()] = conn
-            self._sel.register(sock, selectors.EVENT_READ, conn)
+            if self.tls is not None:
+                try:
+                    conn.sock = self.tls.wrap(sock)
+                except OSError:  # reset before we wrapped it
+                    sock.close()
+                    continue
+                conn.head_since = now  # handshake and first head within head_timeout
+            self._conns[conn.sock.fileno()] = conn
+            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
 
     def _make_room(self) -> bool:
         """Close the connection that has shown no progress for longest (none with a
