@@ -218,6 +218,9 @@ class Daemon:
             "waiting": self.targets.waiting,
             "gateway": _gateway_stats(self.gateway_server),
             "otlp": self.otlp_pusher.dropped() if self.otlp_pusher is not None else None,
+            "otlp_exported": (
+                self.otlp_pusher.stats["exported"] if self.otlp_pusher is not None else None
+            ),
         }
 
     def _http_stats(self) -> dict[str, Any]:

@@ -263,6 +263,10 @@ class SnapshotCollector:
                 for reason, n in sorted(stats["otlp"].items()):
                     dropped.add_metric([reason], n)
                 yield dropped
+            if stats.get("otlp_exported") is not None:
+                exported = _family(md.OTLP_EXPORTED_BATCHES_TOTAL, ())
+                exported.add_metric([], stats["otlp_exported"])
+                yield exported
         if self._http_stats is not None:
             yield from _http_families(self._http_stats())
 

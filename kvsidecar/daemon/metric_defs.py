@@ -829,6 +829,14 @@ OTLP_DROPPED_BATCHES_TOTAL = MetricDef(
     more="docs/otlp.md. queue_full: the collector was slow or unreachable; send_failed: "
     "refused, timed out, TLS or HTTP error.",
 )
+OTLP_EXPORTED_BATCHES_TOTAL = MetricDef(
+    "kvsidecar_otlp_exported_batches_total",
+    COUNTER,
+    "batches",
+    "OTLP push batches the collector accepted (--otlp.endpoint). Flat while the push is on: "
+    "every push fails or the push stopped (alert KvsidecarOtlpPushFailing). No series while "
+    "the push is off.",
+)
 DAEMON: tuple[MetricDef, ...] = (
     REFUSED_SEGMENTS,
     SEGMENT_REFUSALS_TOTAL,
@@ -848,6 +856,7 @@ DAEMON: tuple[MetricDef, ...] = (
     TARGETS_WAITING,
     REFUSED_SEGMENTS_UNREMEMBERED,
     OTLP_DROPPED_BATCHES_TOTAL,
+    OTLP_EXPORTED_BATCHES_TOTAL,
 )
 
 ALL: tuple[MetricDef, ...] = (*RUNTIME, ENGINE_INFO, *POOL, *POOL_DERIVED, *DP, *SOURCE, *DAEMON)
