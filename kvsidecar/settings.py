@@ -214,7 +214,8 @@ GATEWAY_ROLE = _s(
     "GATEWAY_ROLE",
     "str",
     None,
-    "serve only segments of this role (prefill, decode, both) on the gateway",
+    "serve only segments of this role (prefill, decode, both) on the gateway; several, "
+    "comma-separated (prefill,decode): role i's dp_rank r on the gateway port + i * ranks + r",
     DAEMON,
     flag="--gateway.role",
 )

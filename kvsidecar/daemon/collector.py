@@ -339,9 +339,9 @@ def _gateway_families(stats: dict) -> Iterator[Metric]:
     closed = _family(md.GATEWAY_CONNECTIONS_CLOSED_TOTAL, ("reason",))
     for reason, n in sorted(stats["closed"].items()):
         closed.add_metric([reason], n)
-    answers = _family(md.GATEWAY_ANSWERS_TOTAL, ("dp_rank", "outcome"))
-    for (rank, outcome), n in sorted(stats.get("answers", {}).items()):
-        answers.add_metric([str(rank), outcome], n)
+    answers = _family(md.GATEWAY_ANSWERS_TOTAL, ("dp_rank", "outcome", "role"))
+    for (role, rank, outcome), n in sorted(stats.get("answers", {}).items()):
+        answers.add_metric([str(rank), outcome, role], n)
     yield from (req, conns, closed, answers)
 
 

@@ -78,7 +78,9 @@ class GatewayOptions:
 
     address: tuple[str, int]
     ranks: int = 1
-    role: str | None = None
+    # Roles served, each on listeners of its own (port + i * ranks + dp_rank for role i);
+    # empty: one set of listeners serving any role.
+    roles: tuple[str, ...] = ()
     max_connections: int = 256
     # Seconds without progress after which a rank is answered 503 (docs/gateway.md).
     stale_after: float = GATEWAY_STALE_AFTER.default

@@ -771,8 +771,9 @@ GATEWAY_ANSWERS_TOTAL = MetricDef(
     "kvsidecar_gateway_answers_total",
     COUNTER,
     "answers",
-    "Gateway polls by rank (dp_rank: the listener, fixed by --gateway.ranks) and outcome: "
-    "ok (200), no_segment, ambiguous, not_fresh, not_up (503), not_found (404).",
+    "Gateway polls by rank (dp_rank: the listener, fixed by --gateway.ranks), outcome (ok "
+    "200; no_segment, ambiguous, not_fresh, not_up 503; not_found 404) and role (the "
+    "listener's --gateway.role, any without one).",
     more="A fixed set of outcomes, never a value a client or a writer chooses. A change of "
     "a rank's outcome is logged once (a 503 streak at its start, with its reason, and its "
     "end), and `/-/ready` names the ranks whose last poll got a 503.",

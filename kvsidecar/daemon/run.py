@@ -193,7 +193,7 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
     if gateway is not None:
         log.info(
             "gateway endpoint (model-server protocol, not for Prometheus) on %s",
-            " ".join(f"{a}=dp_rank {r}" for r, a in enumerate(gateway.addresses)),
+            " ".join(f"{a}={what}" for a, what in zip(gateway.addresses, gateway.served)),
         )
     while not stopping.wait(0.2):
         if hangups:
@@ -296,7 +296,8 @@ def _ports_overlap(addresses: list[str], config: ServeConfig) -> str | None:
     if config.gateway is not None:
         host, port = config.gateway.address
         shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        claims.append(Claim("--gateway.listen-address", shown, host, port, config.gateway.ranks))
+        count = config.gateway.ranks * max(1, len(config.gateway.roles))
+        claims.append(Claim("--gateway.listen-address", shown, host, port, count))
     if config.kv_events is not None:
         for flag, endpoint in (
             ("--kv-events.endpoint", config.kv_events.endpoint),

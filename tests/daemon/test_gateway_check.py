@@ -66,7 +66,8 @@ def test_the_documented_check_runs_as_printed(shm_dir: str) -> None:
         assert wait_for(
             lambda: (
                 re.search(
-                    r'^kvsidecar_gateway_answers_total\{dp_rank="0",outcome="ok"\} [1-9]',
+                    r"^kvsidecar_gateway_answers_total"
+                    r'\{dp_rank="0",outcome="ok",role="decode"\} [1-9]',
                     run(2),
                     re.M,
                 )
