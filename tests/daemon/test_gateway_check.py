@@ -44,16 +44,15 @@ def test_the_documented_check_runs_as_printed(shm_dir: str) -> None:
     serve, checks = _blocks()
     assert len(checks) == 3, checks
     web, gateway = free_port(), free_port_run(1)
-    writers = [
-        start_writer("kvsidecar.demo.prefill.dp0", shm_dir, role="prefill"),
-        start_writer("kvsidecar.demo.decode.dp0", shm_dir, role="decode"),
-    ]
     argv = shlex.split(_fill(serve, shm_dir, web, gateway))
     assert argv[0] == ".venv/bin/kvsidecar"
-    daemon = subprocess.Popen(
-        argv, cwd=REPO, env=settings.without_ours(os.environ), stderr=subprocess.DEVNULL
-    )
+    writers, daemon = [], None
     try:
+        writers.append(start_writer("kvsidecar.demo.prefill.dp0", shm_dir, role="prefill"))
+        writers.append(start_writer("kvsidecar.demo.decode.dp0", shm_dir, role="decode"))
+        daemon = subprocess.Popen(
+            argv, cwd=REPO, env=settings.without_ours(os.environ), stderr=subprocess.DEVNULL
+        )
 
         def run(i: int) -> str:
             line = _fill(checks[i], shm_dir, web, gateway)
@@ -75,7 +74,8 @@ def test_the_documented_check_runs_as_printed(shm_dir: str) -> None:
             )
         )
     finally:
-        daemon.send_signal(signal.SIGTERM)
-        daemon.wait(30)
+        if daemon is not None:
+            daemon.send_signal(signal.SIGTERM)
+            daemon.wait(30)
         for w in writers:
             stop(w)

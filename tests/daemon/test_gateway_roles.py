@@ -32,14 +32,15 @@ def test_one_daemon_serves_each_role_on_its_own_listener(shm_dir: str) -> None:
         start_writer("kvsidecar.pd.prefill.dp0", shm_dir, role="prefill"),
         start_writer("kvsidecar.pd.decode.dp0", shm_dir, role="decode"),
     ]
-    daemon, url = start_daemon(
-        shm_dir,
-        "--poll-interval", "0.25",
-        "--gateway.listen-address", f"127.0.0.1:{base}",
-        "--gateway.ranks", "2",
-        "--gateway.role", "prefill,decode",
-    )  # fmt: skip
+    daemon = None
     try:
+        daemon, url = start_daemon(
+            shm_dir,
+            "--poll-interval", "0.25",
+            "--gateway.listen-address", f"127.0.0.1:{base}",
+            "--gateway.ranks", "2",
+            "--gateway.role", "prefill,decode",
+        )  # fmt: skip
         # ranks 2: prefill dp0 on base, dp1 on base+1; decode dp0 on base+2, dp1 on base+3
         prefill, decode = HTTPPoll(base), HTTPPoll(base + 2)
         assert wait_for(lambda: prefill()[0] == 200 and decode()[0] == 200)
@@ -55,7 +56,8 @@ def test_one_daemon_serves_each_role_on_its_own_listener(shm_dir: str) -> None:
         assert wait_for(lambda: prefill()[0] == 503)
         assert decode()[0] == 200
     finally:
-        stop_daemon(daemon)
+        if daemon is not None:
+            stop_daemon(daemon)
         for w in writers:
             stop(w)
 

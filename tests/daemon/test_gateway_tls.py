@@ -6,11 +6,14 @@ processes, Python's ssl as the client."""
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import shutil
 import signal
 import socket
 import ssl
+import subprocess
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -42,6 +45,21 @@ def _client(d: Path, cert: bool) -> ssl.SSLContext:
     return ctx
 
 
+@contextlib.contextmanager
+def _serving(shm_dir: str, cfg: Path) -> Iterator[tuple[subprocess.Popen, int]]:
+    """A writer on dp_rank 0 and a daemon serving it on a TLS gateway; both stopped after,
+    whatever failed (a daemon that did not start leaves no writer behind)."""
+    writer = start_writer("kvsidecar.gwtls.dp0", shm_dir)
+    daemon = None
+    try:
+        daemon, _url, port = daemon_with_gateway(shm_dir, "--gateway.web-config-file", str(cfg))
+        yield daemon, port
+    finally:
+        if daemon is not None:
+            stop_daemon(daemon)
+        stop(writer)
+
+
 def _get(port: int, ctx: ssl.SSLContext) -> tuple[int, bytes]:
     conn = http.client.HTTPSConnection("localhost", port, context=ctx, timeout=30)
     try:
@@ -56,9 +74,7 @@ def test_https_poll_with_client_certificate_through_serve(shm_dir: str, tmp_path
     make_cert(tmp_path, "server")
     make_cert(tmp_path, "picker")  # self-signed: its own CA
     cfg = _web_yml(tmp_path, client=True)
-    writer = start_writer("kvsidecar.gwtls.dp0", shm_dir)
-    daemon, _url, port = daemon_with_gateway(shm_dir, "--gateway.web-config-file", str(cfg))
-    try:
+    with _serving(shm_dir, cfg) as (_daemon, port):
         ok = _client(tmp_path, cert=True)
         assert wait_for(lambda: _get(port, ok)[0] == 200)
         status, body = _get(port, ok)
@@ -77,9 +93,6 @@ def test_https_poll_with_client_certificate_through_serve(shm_dir: str, tmp_path
             assert status != 200
             raise ConnectionError("answered")
         assert _get(port, ok)[0] == 200  # the refused ones cost the next poll nothing
-    finally:
-        stop_daemon(daemon)
-        stop(writer)
 
 
 @pytest.mark.parametrize("how", ["sighup", "change"])
@@ -91,9 +104,7 @@ def test_a_changed_certificate_is_served_after_reload(
     second), without a restart."""
     make_cert(tmp_path, "server")
     cfg = _web_yml(tmp_path, client=False)
-    writer = start_writer("kvsidecar.gwtls.dp0", shm_dir)
-    daemon, _url, port = daemon_with_gateway(shm_dir, "--gateway.web-config-file", str(cfg))
-    try:
+    with _serving(shm_dir, cfg) as (daemon, port):
         first = (tmp_path / "server.crt").read_bytes()
         old_ctx = _client(tmp_path, cert=False)
         assert wait_for(lambda: _get(port, old_ctx)[0] == 200)
@@ -116,9 +127,6 @@ def test_a_changed_certificate_is_served_after_reload(
         assert wait_for(new_served)
         with pytest.raises(ssl.SSLCertVerificationError):
             _get(port, old_ctx)  # the old certificate is no longer served
-    finally:
-        stop_daemon(daemon)
-        stop(writer)
 
 
 def test_the_gateway_file_holds_only_tls(tmp_path: Path) -> None:

@@ -23,12 +23,11 @@ def _ls(shm: str, *args: str) -> str:
 
 
 def test_ls_names_an_ambiguous_and_a_down_rank(shm_dir: str) -> None:
-    writers = [
-        start_writer("kvsidecar.ls.prefill.dp0", shm_dir, role="prefill"),
-        start_writer("kvsidecar.ls.decode.dp0", shm_dir, role="decode"),
-        start_writer("kvsidecar.ls.both.dp1", shm_dir, dp=1),
-    ]
+    writers = []
     try:
+        writers.append(start_writer("kvsidecar.ls.prefill.dp0", shm_dir, role="prefill"))
+        writers.append(start_writer("kvsidecar.ls.decode.dp0", shm_dir, role="decode"))
+        writers.append(start_writer("kvsidecar.ls.both.dp1", shm_dir, dp=1))
         out = _ls(shm_dir)
         (line,) = [ln for ln in out.splitlines() if ln.startswith("dp_rank 0:")]
         assert "ambiguous: 2 live segments claim it" in line, out
