@@ -17,7 +17,12 @@ against the step the segment held just before the request was sent).
   the plugin publishing in every condition;
 * the gateway path under attack on the main port: `frontmix` (TLS RSA-4096: pipelining,
   slow readers, a ClientHello replay) and `scrapeflood` (40 keep-alive scrapers), with a
-  picker polling the gateway at 20/s: answered share, p50, p99.
+  picker polling the gateway at 20/s: answered share, p50, p99;
+* the gateway port itself flooded (`flooded`), from addresses other than the picker's
+  (127.0.0.2 and up): `idleflood` (connections opened as fast as they are taken, never a
+  byte sent) and `pipeline` (16 clients each pipelining 64 polls at a time); a picker on 4
+  kept-alive connections from 127.0.0.1 at 20/s (1 s timeout, a redial after a failure, as
+  Go's transport): answered share, p50, p99, and the daemon's share of a core.
 """
 
 from __future__ import annotations
@@ -370,6 +375,125 @@ def under_attack(quick: bool, front: ModuleType) -> dict[str, Any]:
     return out
 
 
+# A flood of the gateway port from 127.0.0.2..: MODE idle (connections held, nothing sent,
+# reopened when closed) or pipeline (CLIENTS connections, each sending 64 polls at a time
+# and reading the 64 answers). Runs until killed.
+_FLOOD = r"""
+import selectors, socket, sys
+port, mode, clients = int(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+sel = selectors.DefaultSelector()
+REQ = b"GET /metrics HTTP/1.1\r\nHost: x\r\n\r\n"
+def dial(i):
+    s = socket.socket()
+    s.setblocking(False)
+    s.bind(("127.0.0.%d" % (2 + i % 200), 0))
+    try:
+        s.connect(("127.0.0.1", port))
+    except BlockingIOError:
+        pass
+    except OSError:
+        s.close()
+        return
+    st = {"i": i, "got": 0}
+    sel.register(s, selectors.EVENT_READ | selectors.EVENT_WRITE, st)
+for i in range(clients):
+    dial(i)
+while True:
+    for key, mask in sel.select(1.0):
+        s, st = key.fileobj, key.data
+        if mask & selectors.EVENT_WRITE:
+            sel.modify(s, selectors.EVENT_READ, st)
+            if mode == "pipeline":
+                try:
+                    s.send(REQ * 64)
+                except OSError:
+                    pass
+            continue
+        try:
+            data = s.recv(65536)
+        except OSError:
+            data = b""
+        if not data:
+            sel.unregister(s)
+            s.close()
+            dial(st["i"])
+            continue
+        if mode == "pipeline":
+            st["got"] += data.count(b"HTTP/1.1 ")
+            if st["got"] >= 64:
+                st["got"] -= 64
+                try:
+                    s.send(REQ * 64)
+                except OSError:
+                    pass
+"""
+FLOODS = {"idleflood": ("idle", 1000), "pipeline": ("pipeline", 16)}
+
+
+def _kept_alive_picker(port: int, seconds: float, hz: float = 20.0) -> dict[str, Any]:
+    """4 kept-alive connections polled round robin at `hz`, 1 s timeout, a redial after a
+    failure: answered share and latency percentiles."""
+    import http.client
+
+    conns: list[http.client.HTTPConnection | None] = [None] * 4
+    lat, ok, n, i = [], 0, 0, 0
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        t0 = time.monotonic()
+        n += 1
+        try:
+            c = conns[i] or http.client.HTTPConnection("127.0.0.1", port, timeout=1.0)
+            conns[i] = c
+            c.request("GET", "/metrics")
+            r = c.getresponse()
+            r.read()
+            ok += r.status == 200
+        except (OSError, http.client.HTTPException):
+            if conns[i] is not None:
+                conns[i].close()  # type: ignore[union-attr]
+            conns[i] = None
+        lat.append(1000 * (time.monotonic() - t0))
+        i = (i + 1) % len(conns)
+        time.sleep(max(0.0, t0 + 1 / hz - time.monotonic()))
+    for c in conns:
+        if c is not None:
+            c.close()
+    lat.sort()
+    return {
+        "requests": n,
+        "ok": ok,
+        "answered_fraction": ok / max(1, n),
+        "p50_ms": lat[len(lat) // 2],
+        "p99_ms": lat[min(len(lat) - 1, int(len(lat) * 0.99))],
+        "max_ms": lat[-1],
+    }
+
+
+def flooded(quick: bool) -> dict[str, Any]:
+    """The gateway port flooded (`FLOODS`) beside a picker; and quiet."""
+    import resource
+
+    seconds = 10.0 if quick else 30.0
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(hard, max(soft, 4096)), hard))
+    out: dict[str, Any] = {"seconds": seconds}
+    with _writer_and_daemon() as (daemon, _port, gport, _):
+        out["quiet"] = _kept_alive_picker(gport, seconds / 2)
+        for name, (mode, clients) in FLOODS.items():
+            flood = subprocess.Popen([sys.executable, "-c", _FLOOD, str(gport), mode, str(clients)])
+            try:
+                time.sleep(2.0)
+                cpu0, t0 = fleet.proc_stat(daemon.pid)[1], time.monotonic()
+                out[name] = _kept_alive_picker(gport, seconds)
+                cpu = fleet.proc_stat(daemon.pid)[1] - cpu0
+                out[name]["daemon_core_fraction"] = cpu / (time.monotonic() - t0)
+            finally:
+                flood.kill()
+                flood.wait()
+            time.sleep(1.0)
+    return out
+
+
 def run(quick: bool = False, vllm: bool = False) -> dict[str, Any]:
     front = checkout.load("hostile_front")  # first: without a checkout, nothing runs
     out: dict[str, Any] = {"quick": quick, "pickers": PICKERS, "rates": list(RATES)}
@@ -377,6 +501,7 @@ def run(quick: bool = False, vllm: bool = False) -> dict[str, Any]:
     if vllm:
         out["vllm"] = bench_vllm(*((2, 8, 16) if quick else (6, 16, 32)))
     out["attack"] = under_attack(quick, front)
+    out["flooded"] = flooded(quick)
     return out
 
 
@@ -423,4 +548,15 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
           f"{a[k]['p99_ms']:.1f}", f"{a[k]['max_ms']:.1f}"]
          for k in ("quiet", "frontmix", "scrapeflood")],
     ))  # fmt: skip
+    f = r.get("flooded")
+    if f:
+        out.append((
+            f"gateway polls (20/s, 4 kept-alive connections, 1 s timeout) while the gateway "
+            f"port is flooded from other addresses, {f['seconds']:.0f} s",
+            ["gateway port", "polls", "answered", "p50 ms", "p99 ms", "max ms", "daemon core"],
+            [[k, f[k]["requests"], f"{f[k]['answered_fraction']:.1%}", f"{f[k]['p50_ms']:.1f}",
+              f"{f[k]['p99_ms']:.1f}", f"{f[k]['max_ms']:.1f}",
+              "-" if "daemon_core_fraction" not in f[k] else f"{f[k]['daemon_core_fraction']:.2f}"]
+             for k in ("quiet", *FLOODS)],
+        ))  # fmt: skip
     return out

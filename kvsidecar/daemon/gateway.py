@@ -7,11 +7,20 @@ several roles (``--gateway.role prefill,decode``: both roles of a P/D pod, one d
 ``j`` has listeners of its own, dp_rank ``i`` on the base port + ``j * ranks + i``, each
 answered by a `Gateway` of that role.
 
-Fresh: a poll reads that rank's segment at request time, under the target's own lock, with
-every check the poller makes (trust, budgets, identity, liveness, progress), so the value
-served is the engine's latest published step when the request arrived, never a cached poll
-cycle. A read costs microseconds; the poller's other targets and its directory scans are
-never waited for (the TargetSet lock is not taken).
+Fresh: the value served is the engine's latest published step when the request arrived,
+never a cached poll cycle. A poll whose rank was fully checked less than `FULL_CHECK_EVERY`
+ago (0.1 s) within the same poll cycle loads one word, the segment's published sequence:
+unchanged, the answer built at that check is served again as it was (its bytes included,
+see `kvsidecar.web.poll_server`); changed, or older, the poll reads that rank's segment
+under the target's own lock with every check the poller makes (trust, budgets, identity,
+liveness, progress). A writer's death, a replaced segment or a hung engine is so seen
+within 0.1 s of the check's window, a new step at once. The poller's other targets and its
+directory scans are never waited for (the TargetSet lock is not taken).
+
+A poll's cost is bounded whatever the directory holds: which segments claim a rank, and
+whether two of them are up (ambiguous), is decided once per poll cycle from the poller's
+own views; a poll then reads at most one segment (64 segments claiming one rank made each
+poll read all 64).
 
 A rank that is not up (stale, dead, closed, corrupt, refused, shed, not found, or claimed by
 two live segments) is answered 503 with the reason on one line: a picker treats a non-200 as
@@ -25,16 +34,20 @@ from __future__ import annotations
 
 import errno
 import logging
+import mmap
 import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvsidecar.daemon.config import GatewayOptions
 from kvsidecar.daemon.gateway_body import CONTENT_TYPE, render, timeless
 from kvsidecar.daemon.target import Target
 from kvsidecar.daemon.targets import TargetSet
+from kvsidecar.protocol import _seqlock
+from kvsidecar.protocol.layout import OFF_PUBLISHED_SEQ
 from kvsidecar.protocol.reader import Reading
 from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS, GATEWAY_STALE_AFTER
 from kvsidecar.web.poll_server import PollServer, Route
@@ -69,6 +82,21 @@ OUTCOMES = (
     "not_up",  # its segment is dead, stale, corrupt, refused or not ready
     "not_found",  # a path other than /metrics (a client's mistake: no streak is logged)
 )
+FULL_CHECK_EVERY = 0.1  # seconds a full check's answer may be re-served on its sequence word
+
+Answer = tuple[int, bytes, str, bytes]
+
+
+@dataclass(frozen=True)
+class _Checked:
+    """A rank's last full check that answered 200: re-served while the segment's
+    published sequence is still `seq`, within the poll cycle `version`, until `until`."""
+
+    version: int
+    mm: mmap.mmap
+    seq: int
+    until: float
+    answer: Answer
 
 
 class Gateway:
@@ -96,6 +124,10 @@ class Gateway:
         self._lock = threading.Lock()
         # Per segment: the body of its last (incarnation, seq), while no age is in it.
         self._bodies: dict[str, tuple[tuple[int, int], bytes]] = {}
+        self._checked: dict[int, _Checked] = {}  # per rank
+        self._ambiguous: dict[int, str] = {}  # per rank, this poll cycle: who claims it
+        self.full_checks = 0  # polls that read a segment (the others loaded one word)
+        self.segment_reads = 0  # segments read by those (at most one each)
 
     def route(self, dp_rank: int) -> Route:
         def answer(path: str) -> tuple[int, bytes, str, bytes]:
@@ -112,6 +144,16 @@ class Gateway:
     def answer(self, dp_rank: int) -> tuple[int, bytes, str, bytes]:
         """(status, body, content type, extra headers) for one poll of `dp_rank`; counted
         by outcome, and a change of outcome logged once."""
+        checked = self._checked.get(dp_rank)
+        if (
+            checked is not None
+            and checked.version == self.targets.version
+            and time.monotonic() < checked.until
+            and self._published_seq(checked.mm) == checked.seq
+        ):
+            self._count(dp_rank, OK)
+            return checked.answer  # the same tuple: the server re-sends its bytes
+        self._checked.pop(dp_rank, None)
         outcome, answer = self._answer(dp_rank)
         self._count(dp_rank, outcome)
         last = self.last_outcome.get(dp_rank)
@@ -148,17 +190,36 @@ class Gateway:
                 "gateway %sdp_rank %d: answering 200 again (was %s)", self._who, dp_rank, last[0]
             )
 
-    def _answer(self, dp_rank: int) -> tuple[str, tuple[int, bytes, str, bytes]]:
+    @staticmethod
+    def _published_seq(mm: mmap.mmap) -> int | None:
+        try:
+            return _seqlock.kv_load_u64(mm, OFF_PUBLISHED_SEQ)
+        except (ValueError, OSError):  # unmapped (re-attached) or its pages gone: re-check
+            return None
+
+    def _answer(self, dp_rank: int) -> tuple[str, Answer]:
+        self.full_checks += 1
+        version = self.targets.version
         candidates = self._candidates(dp_rank)
         if not candidates:
             who = f"dp_rank {dp_rank}" + (f" with role {self.role}" if self.role else "")
             why = f"no segment for {who}: is the engine's agent running?\n"
             return "no_segment", (503, why.encode(), _TEXT, b"")
-        # The read that makes the answer fresh: each candidate polled now.
-        views = [t.poll(log_transitions=True) for t in candidates]
-        up = [v for v in views if v.up and v.last is not None]
-        if len(up) == 1:
-            view, last = up[0], up[0].last
+        names = self._ambiguous.get(dp_rank)
+        if names is not None:
+            why = (
+                f"segments {names} all claim dp_rank {dp_rank}: pass --gateway.role, or run "
+                "one engine instance per pod\n"
+            )
+            return "ambiguous", (503, why.encode(), _TEXT, b"")
+        # The read that makes the answer fresh: the one candidate (up at the last poll
+        # cycle's look, if any was) polled now.
+        target = candidates[0]
+        self.segment_reads += 1
+        mm = target.reader.mm
+        view = target.poll(log_transitions=True)
+        if view.up and view.last is not None:
+            last = view.last
             # Progress on the daemon's clock, as the poll that just ran judged it.
             still = view.age_seconds(view.last_poll_mono_ns) or 0.0
             if still > self.stale_after:
@@ -169,24 +230,23 @@ class Gateway:
                 return "not_fresh", (503, why.encode(), _TEXT, b"")
             # Which step was served, for whoever checks freshness (the body stays lean).
             step = b"Kvsidecar-Step: %d\r\n" % last.snapshot.runtime.step
-            body = self._body(view.name, last, view.clock_offset_ns)
-            return OK, (200, body, CONTENT_TYPE, step)
-        if len(up) > 1:
-            names = ", ".join(v.name for v in up)
-            why = (
-                f"segments {names} all claim dp_rank {dp_rank}: pass --gateway.role, or run "
-                "one engine instance per pod\n"
-            )
-            return "ambiguous", (503, why.encode(), _TEXT, b"")
-        v = views[0]
-        why = f"{v.name}: {v.state}: {v.error or 'not up'}\n"
+            body, timeless_body = self._body(view.name, last, view.clock_offset_ns)
+            answer = (200, body, CONTENT_TYPE, step)
+            mm = target.reader.mm if target.reader.mm is mm else None
+            if timeless_body and mm is not None:
+                # Never past the moment the check's own progress bound would answer 503.
+                until = time.monotonic() + min(FULL_CHECK_EVERY, self.stale_after - still)
+                self._checked[dp_rank] = _Checked(version, mm, last.seq, until, answer)
+            return OK, answer
+        why = f"{view.name}: {view.state}: {view.error or 'not up'}\n"
         return "not_up", (503, why.encode(), _TEXT, b"")
 
-    def _body(self, name: str, last: Reading, clock_offset_ns: int) -> bytes:
+    def _body(self, name: str, last: Reading, clock_offset_ns: int) -> tuple[bytes, bool]:
+        """The body, and whether it depends on the snapshot alone (no age in it)."""
         key = (last.incarnation, last.seq)
         cached = self._bodies.get(name)
         if cached is not None and cached[0] == key:
-            return cached[1]
+            return cached[1], True
         # Ages on the writer's clock: ours less the offset of a writer in another time
         # namespace (as the collector does; without it the age was the offset, 1000s of s).
         body = render(last.snapshot, time.monotonic_ns() - clock_offset_ns)
@@ -194,13 +254,14 @@ class Gateway:
             if len(self._bodies) > 1024:  # names come and go: never grow without bound
                 self._bodies.clear()
             self._bodies[name] = (key, body)
-        else:
-            self._bodies.pop(name, None)
-        return body
+            return body, True
+        self._bodies.pop(name, None)
+        return body, False
 
     def _candidates(self, dp_rank: int) -> list[Target]:
-        """The targets whose latest identity says this rank; rebuilt when a poll changed the
-        set (identity can change only with a new snapshot, which a poll brings)."""
+        """The targets whose latest identity says this rank, those up first, and whether
+        two are up (ambiguous); decided once per poll cycle, from the poller's own views
+        (identity can change only with a new snapshot, which a poll brings)."""
         version = self.targets.version
         if version != self._version:
             by_rank: dict[int, list[Target]] = {}
@@ -212,7 +273,13 @@ class Gateway:
                 if self.role is not None and rt.role != self.role:
                     continue
                 by_rank.setdefault(rt.dp_rank, []).append(t)
-            self._by_rank, self._version = by_rank, version
+            ambiguous: dict[int, str] = {}
+            for rank, targets in by_rank.items():
+                targets.sort(key=lambda t: not t.view.up)  # stable: found first, first
+                up = [t.name for t in targets if t.view.up]
+                if len(up) > 1:
+                    ambiguous[rank] = ", ".join(up)
+            self._by_rank, self._ambiguous, self._version = by_rank, ambiguous, version
         return self._by_rank.get(dp_rank, [])
 
 

@@ -169,11 +169,20 @@ def _usage(sized: list[KVCachePoolSnapshot], names: EngineNames) -> float | None
     if not sized:
         return None
     if names.usage_digits is not None:
-        return round(max(p.allocated_blocks / p.total_blocks for p in sized), names.usage_digits)
+        usage = max(p.allocated_blocks / p.total_blocks for p in sized)
+        return round(_in_range(usage), names.usage_digits)
     total = sum(p.total_blocks for p in sized)
     if names is not ATOM and all(p.available_blocks is not None for p in sized):
-        return 1.0 - sum(p.available_blocks for p in sized) / total
-    return sum(p.allocated_blocks for p in sized) / total
+        return _in_range(1.0 - sum(p.available_blocks for p in sized) / total)
+    return _in_range(sum(p.allocated_blocks for p in sized) / total)
+
+
+def _in_range(usage: float) -> float:
+    """The protocol's range, [0, 1], whatever the fields say. Fields that disagree (more
+    blocks available or allocated than the capacity, each in range on its own) are served
+    as full, 1.0: a picker routing on the lowest usage must never favour a rank for
+    numbers that cannot be true (available > total was served as -999.0)."""
+    return usage if 0.0 <= usage <= 1.0 else 1.0
 
 
 def _num_blocks(sized: list[KVCachePoolSnapshot], names: EngineNames) -> int:

@@ -8,14 +8,32 @@ connection budget, and does only what a poll needs: no auth, no compression, no 
 TLS when given one (`tls`: kvsidecar/web/poll_tls.py wraps each accepted socket).
 Each listening socket is bound to one `Route` (e.g. one listener per engine rank).
 
-The budget, by design rather than by attack shape:
+The grammar is the main port's: every head goes through `kvsidecar.web.request.parse_head`
+(the same 400/405/414/431/505 verdicts), its end found as the main port's gate finds it.
+A picker sends the same head bytes at every poll, so the verdict is kept per distinct
+head (a bounded table): a poll's parse is one dictionary lookup. The answer's bytes are
+kept per route too (`Route` may hand back the very tuple it handed back before: then the
+bytes already built are sent again, nothing rendered).
+
+The budget, by design rather than by attack shape: the picker is a few addresses with
+kept-alive connections that each complete a request every second or so; a flood is many
+connections that have not (yet) completed one, or one address holding many.
 * at most `max_connections` open connections, all listeners together; at the cap a
-  newcomer replaces the connection that has shown no progress for longest (an idle
-  keep-alive one, or one still sending its head), never one with a response in flight;
-* a request head (4 KiB at most, no body) must arrive whole within `head_timeout` of its
-  first byte, and a response must be taken by the client within `head_timeout`: a slow
-  client holds a place for seconds, not for ever;
+  newcomer replaces, in this order: the oldest connection that has completed no request;
+  else, on the address holding the most connections, the one idle longest. Never one with
+  a response in flight. An idle-connection flood so evicts its own connections, not a
+  picker's;
+* a connection's first byte must come within `head_timeout` of its accept, a request head
+  (4 KiB at most, no body) must arrive whole within `head_timeout` of its first byte, and
+  a response must be taken by the client within `head_timeout`: a slow or silent client
+  holds a place for seconds, not for ever;
+* pipelined requests are all answered, in order: at most `_TURN` per connection per turn
+  of the loop (every other connection is served in between), and none read while the
+  answers already made are not taken (`_MAX_OUT`): the kernel's buffers hold the rest;
 * an idle keep-alive connection is closed after `idle_timeout`.
+
+Each connection's bytes go through its socket's ``recv``/``send`` only, so a listener can
+hand `_accept` a wrapped (e.g. TLS) socket without the rest changing.
 """
 
 from __future__ import annotations
@@ -29,6 +47,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvsidecar.web.gate import _head_end, _hopeless, _lines
+from kvsidecar.web.request import BadRequest, Request, parse_head
 from kvsidecar.web.sockets import format_address
 
 if TYPE_CHECKING:
@@ -39,42 +59,44 @@ __all__ = ["MAX_HEAD", "PollServer", "Route"]
 log = logging.getLogger(__name__)
 
 # path -> (status, body, content type, extra header lines, each ending in CRLF). Called on
-# the server's thread; must not block.
-Route = Callable[[str], tuple[int, bytes, str, bytes]]
+# the server's thread; must not block. Handing back the same tuple object as last time
+# means "the same answer": its bytes are sent again as they were built.
+Answer = tuple[int, bytes, str, bytes]
+Route = Callable[[str], Answer]
 
 MAX_HEAD = 4096  # a picker's GET head is ~150 bytes
 _RECV = 8192
-_MAX_OUT = 64 * 1024  # pipelined answers not yet taken: stop reading beyond this
+_MAX_OUT = 64 * 1024  # answers not yet taken: read no more requests beyond this
+_TURN = 16  # pipelined requests answered per connection per turn of the loop
+_VERDICTS = 256  # distinct heads whose parse is kept
 _REASONS = {
     200: "OK",
     400: "Bad Request",
     404: "Not Found",
     405: "Method Not Allowed",
+    414: "URI Too Long",
     431: "Request Header Fields Too Large",
     500: "Internal Server Error",
     503: "Service Unavailable",
+    505: "HTTP Version Not Supported",
 }
-
-
-def _header(low_headers: bytes, name: bytes) -> bytes:
-    """The value of header `name` (lowercase, with its colon) in lowercased header lines."""
-    at = low_headers.find(name)
-    if at < 0 or (at > 0 and low_headers[at - 1 : at] != b"\n"):
-        return b""
-    end = low_headers.find(b"\r\n", at)
-    return low_headers[at + len(name) : end if end >= 0 else None].strip()
 
 
 @dataclass(eq=False)
 class _Conn:
     sock: Any  # a socket.socket, or a poll_tls.TLSSocket
     route: Route
+    host: str = ""
     inbuf: bytearray = field(default_factory=bytearray)
     out: bytes = b""
+    accepted: float = 0.0
     progress: float = 0.0  # monotonic time of the last byte in or out
     head_since: float = 0.0  # first byte of a head not yet complete (0: none pending)
     out_since: float = 0.0  # a response waiting for the client to read it (0: none)
+    served: int = 0  # requests answered
+    mask: int = selectors.EVENT_READ  # what the selector waits for (0: not registered)
     close_after: bool = False  # Connection: close, or an error answer
+    eof: bool = False  # the client sent its last byte: answer what it sent, then close
 
     @property
     def busy(self) -> bool:
@@ -105,7 +127,12 @@ class PollServer:
         self.requests: dict[int, int] = {}
         self.closed: dict[str, int] = {}  # connections closed by the server, by reason
         self._conns: dict[int, _Conn] = {}
+        self._per_host: dict[str, int] = {}
+        self._pending: dict[_Conn, None] = {}  # whole heads buffered: served next turn
         self._heads: dict[tuple[int, str, bool], bytes] = {}  # status lines, built once
+        self._verdicts: dict[bytes, Request | BadRequest] = {}
+        # Per (route, HEAD?): the last answer tuple and its bytes (keep-alive).
+        self._built: dict[tuple[Route, bool], tuple[Answer, bytes]] = {}
         self._sel = selectors.DefaultSelector()
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
@@ -153,7 +180,7 @@ class PollServer:
         last_sweep = time.monotonic()
         while not self._stop:
             try:
-                events = self._sel.select(timeout=0.25)
+                events = self._sel.select(timeout=0 if self._pending else 0.25)
             except OSError as e:  # EINTR is retried by selectors; anything else: log, go on
                 log.warning("%s: select failed: %s", self.name, e)
                 time.sleep(0.05)
@@ -167,7 +194,7 @@ class PollServer:
                     elif isinstance(data, _Conn):
                         if mask & selectors.EVENT_WRITE:
                             self._flush(data, now)
-                        if mask & selectors.EVENT_READ and data.sock.fileno() >= 0:
+                        elif mask & selectors.EVENT_READ:
                             self._read(data, now)
                     else:
                         self._accept(key.fileobj, data, now)  # type: ignore[arg-type]
@@ -175,6 +202,15 @@ class PollServer:
                     log.exception("%s: internal error", self.name)
                     if isinstance(data, _Conn):
                         self._close(data, "error")
+            if self._pending:
+                pending, self._pending = self._pending, {}
+                for conn in pending:
+                    try:
+                        if conn.sock.fileno() >= 0:
+                            self._serve(conn, now)
+                    except Exception:
+                        log.exception("%s: internal error", self.name)
+                        self._close(conn, "error")
             if now - last_sweep >= 0.25:
                 last_sweep = now
                 self._sweep(now)
@@ -182,7 +218,7 @@ class PollServer:
     def _accept(self, listener: socket.socket, route: Route, now: float) -> None:
         for _ in range(16):  # a few per turn: a connect flood cannot starve the rest
             try:
-                sock, _addr = listener.accept()
+                sock, addr = listener.accept()
             except (BlockingIOError, InterruptedError):
                 return
             except OSError as e:  # EMFILE and friends: the kernel queue keeps them
@@ -197,27 +233,35 @@ class PollServer:
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             except OSError:
                 pass
-            conn = _Conn(sock, route, progress=now)
+            host = addr[0] if isinstance(addr, tuple) else str(addr)
             if self.tls is not None:
+                # The handshake runs inside its recv; until a request's bytes are
+                # decrypted the first-byte deadline (`head_timeout` after accept) holds.
                 try:
-                    conn.sock = self.tls.wrap(sock)
+                    sock = self.tls.wrap(sock)
                 except OSError:  # reset before we wrapped it
                     sock.close()
                     continue
-                conn.head_since = now  # handshake and first head within head_timeout
-            self._conns[conn.sock.fileno()] = conn
-            self._sel.register(conn.sock, selectors.EVENT_READ, conn)
+            conn = _Conn(sock, route, host, accepted=now, progress=now)
+            self._conns[sock.fileno()] = conn
+            self._per_host[host] = self._per_host.get(host, 0) + 1
+            self._sel.register(sock, selectors.EVENT_READ, conn)
 
     def _make_room(self) -> bool:
-        """Close the connection that has shown no progress for longest (none with a
-        response in flight); False when every connection is mid-response."""
-        victim = min(
-            (c for c in self._conns.values() if not c.busy),
-            key=lambda c: c.progress,
-            default=None,
-        )
-        if victim is None:
+        """Close the oldest connection that completed no request, else the one idle
+        longest on the address holding the most connections; never one with a response
+        in flight. False when every connection is mid-response."""
+        idle = [c for c in self._conns.values() if not c.busy]
+        if not idle:
             return False
+        fresh = [c for c in idle if not c.served]
+        if fresh:
+            victim = min(fresh, key=lambda c: c.accepted)
+        else:
+            most = max(self._per_host[c.host] for c in idle)
+            victim = min(
+                (c for c in idle if self._per_host[c.host] == most), key=lambda c: c.progress
+            )
         self._close(victim, "evicted")
         return True
 
@@ -227,6 +271,13 @@ class PollServer:
                 self._close(conn, "slow_reader")
             elif conn.head_since and now - conn.head_since > self.head_timeout:
                 self._close(conn, "slow_head")
+            elif (
+                not conn.served
+                and not conn.out
+                and not conn.inbuf
+                and (now - conn.accepted > self.head_timeout)
+            ):
+                self._close(conn, "slow_head")  # connected, and never sent a byte
             elif not conn.out and not conn.head_since and now - conn.progress > self.idle_timeout:
                 self._close(conn, "idle")
 
@@ -241,60 +292,91 @@ class PollServer:
             self._close(conn, None)
             return
         if not data:
-            self._close(conn, None)
+            if _head_end(conn.inbuf) < 0:
+                self._close(conn, None)
+                return
+            conn.eof = True  # half-closed after pipelining: its requests are answered
+            self._set_mask(conn, 0)
+            self._serve(conn, now)
             return
         conn.progress = now
-        if not conn.inbuf and data.endswith(b"\r\n\r\n") and data.count(b"\r\n\r\n") == 1:
-            # The usual poll: one whole head in one segment, nothing buffered.
-            conn.head_since = 0.0
-            self._answer(conn, data[:-4])
-            self._flush(conn, now)
-            return
-        conn.inbuf += data
-        while not conn.close_after and len(conn.out) < _MAX_OUT:
-            end = conn.inbuf.find(b"\r\n\r\n")
+        if conn.inbuf:
+            conn.inbuf += data
+        else:
+            conn.inbuf = bytearray(data)
+        self._serve(conn, now)
+
+    def _serve(self, conn: _Conn, now: float) -> None:
+        """Answer up to `_TURN` whole heads from the buffer, then send."""
+        inbuf = conn.inbuf
+        for _ in range(_TURN):
+            if conn.close_after or len(conn.out) >= _MAX_OUT:
+                break
+            end = _head_end(inbuf)
             if end < 0:
                 break
-            head = bytes(conn.inbuf[:end])
-            del conn.inbuf[: end + 4]
+            head = bytes(inbuf[:end])
+            del inbuf[:end]
             self._answer(conn, head)
-        if conn.inbuf and not conn.close_after:
-            if len(conn.inbuf) > MAX_HEAD:
-                conn.inbuf.clear()
-                self._respond(conn, 431, b"request head too large\n", "text/plain", close=True)
-            elif not conn.head_since:
-                conn.head_since = now
+        if inbuf and not conn.close_after:
+            if _head_end(inbuf) < 0:
+                if len(inbuf) > MAX_HEAD:
+                    inbuf.clear()
+                    self._respond(conn, 431, b"request head too large\n", "text/plain", True)
+                elif _hopeless(bytes(inbuf[:MAX_HEAD])):
+                    inbuf.clear()
+                    self._respond(conn, 400, b"not an HTTP request\n", "text/plain", True)
+                elif not conn.head_since:
+                    conn.head_since = now
+            else:
+                conn.head_since = 0.0
         else:
             conn.head_since = 0.0
         self._flush(conn, now)
 
+    def _verdict(self, head: bytes) -> Request | BadRequest:
+        verdict = self._verdicts.get(head)
+        if verdict is None:
+            try:
+                verdict = parse_head(_lines(head))
+            except BadRequest as e:
+                verdict = e
+            if len(self._verdicts) >= _VERDICTS:
+                self._verdicts.clear()  # a client sending ever new heads pays its parses
+            self._verdicts[head] = verdict
+        return verdict
+
     def _answer(self, conn: _Conn, head: bytes) -> None:
-        line, _, headers = head.partition(b"\r\n")
-        parts = line.split(b" ")
-        if len(parts) != 3 or not parts[2].startswith(b"HTTP/1."):
-            self._respond(conn, 400, b"bad request line\n", "text/plain", close=True)
+        conn.served += 1
+        request = self._verdict(head)
+        if isinstance(request, BadRequest):
+            body = f"{request.reason}\n".encode()
+            self._respond(conn, request.status, body, "text/plain", close=True)
             return
-        method, target, version = parts
-        close = version == b"HTTP/1.0"
-        low = headers.lower()
-        # Most polls carry neither header: one search each instead of parsing every line.
-        if b"connection:" in low:
-            v = _header(low, b"connection:")
-            close = v == b"close" or (close and v != b"keep-alive")
-        if b"transfer-encoding:" in low or _header(low, b"content-length:") not in (b"", b"0"):
+        if request.has_body:
             # A poll has no body; reading one would let a client hold the thread.
             self._respond(conn, 400, b"a request body is not accepted\n", "text/plain", True)
             return
-        if method not in (b"GET", b"HEAD"):
-            self._respond(conn, 405, b"only GET and HEAD\n", "text/plain", close=True)
-            return
-        path = target.split(b"?", 1)[0].decode("latin-1")
+        close = not request.keep_alive
+        head_only = request.method == "HEAD"
+        route = conn.route
         try:
-            status, body, ctype, extra = conn.route(path)
+            answer = route(request.path)
         except Exception:
-            log.exception("%s: route failed for %s", self.name, path)
-            status, body, ctype, extra = 500, b"internal error\n", "text/plain", b""
-        self._respond(conn, status, body, ctype, close, method == b"HEAD", extra)
+            log.exception("%s: route failed for %s", self.name, request.path)
+            answer = (500, b"internal error\n", "text/plain", b"")
+        if not close:
+            key = (route, head_only)
+            built = self._built.get(key)
+            if built is not None and built[0] is answer:
+                self.requests[answer[0]] = self.requests.get(answer[0], 0) + 1
+                out = built[1]
+                conn.out = conn.out + out if conn.out else out
+                return
+        status, body, ctype, extra = answer
+        out = self._respond(conn, status, body, ctype, close, head_only, extra)
+        if not close:
+            self._built[(route, head_only)] = (answer, out)
 
     def _respond(
         self,
@@ -305,7 +387,7 @@ class PollServer:
         close: bool = False,
         head_only: bool = False,
         extra: bytes = b"",
-    ) -> None:
+    ) -> bytes:
         self.requests[status] = self.requests.get(status, 0) + 1
         key = (status, ctype, close)
         start = self._heads.get(key)
@@ -322,6 +404,18 @@ class PollServer:
         out = head if head_only else head + body
         conn.out = conn.out + out if conn.out else out
         conn.close_after = conn.close_after or close
+        return out
+
+    def _set_mask(self, conn: _Conn, mask: int) -> None:
+        if mask == conn.mask:
+            return
+        if not mask:
+            self._sel.unregister(conn.sock)
+        elif not conn.mask:
+            self._sel.register(conn.sock, mask, conn)
+        else:
+            self._sel.modify(conn.sock, mask, conn)
+        conn.mask = mask
 
     def _flush(self, conn: _Conn, now: float) -> None:
         if conn.out:
@@ -336,15 +430,23 @@ class PollServer:
                 conn.progress = now
                 conn.out = conn.out[sent:]
         if conn.out:
-            if not conn.out_since:
-                conn.out_since = now
-                self._sel.modify(conn.sock, selectors.EVENT_READ | selectors.EVENT_WRITE, conn)
+            # Read nothing more until the client takes what it asked for.
+            conn.out_since = conn.out_since or now
+            self._set_mask(conn, selectors.EVENT_WRITE)
             return
-        if conn.out_since:
-            conn.out_since = 0.0
-            self._sel.modify(conn.sock, selectors.EVENT_READ, conn)
+        conn.out_since = 0.0
         if conn.close_after:
             self._close(conn, None)
+            return
+        if conn.inbuf and _head_end(conn.inbuf) >= 0:
+            # More pipelined heads: served next turn, after every other connection.
+            self._pending[conn] = None
+            self._set_mask(conn, 0)
+            return
+        if conn.eof:
+            self._close(conn, None)
+            return
+        self._set_mask(conn, selectors.EVENT_READ)
 
     def _close(self, conn: _Conn, reason: str | None) -> None:
         fd = conn.sock.fileno()
@@ -353,8 +455,16 @@ class PollServer:
         if reason is not None:
             self.closed[reason] = self.closed.get(reason, 0) + 1
         self._conns.pop(fd, None)
-        try:
-            self._sel.unregister(conn.sock)
-        except (KeyError, ValueError):
-            pass
+        self._pending.pop(conn, None)
+        left = self._per_host.get(conn.host, 1) - 1
+        if left > 0:
+            self._per_host[conn.host] = left
+        else:
+            self._per_host.pop(conn.host, None)
+        if conn.mask:
+            try:
+                self._sel.unregister(conn.sock)
+            except (KeyError, ValueError):
+                pass
+        conn.mask = 0
         conn.sock.close()

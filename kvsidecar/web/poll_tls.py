@@ -13,9 +13,10 @@ to the connections accepted after it.
 The server stays a selector loop: `TLSSocket` wraps an accepted socket with
 ``do_handshake_on_connect=False`` and drives the handshake from its read events, raising
 `BlockingIOError` where OpenSSL wants more bytes, so the server's recv/send paths stay those of
-a plain socket. The handshake is bounded by the server's head deadline (`PollServer` starts
-the clock at accept for TLS connections: handshake and first request within
-``head_timeout``), and an unfinished one holds a place in the same connection budget.
+a plain socket. The handshake is bounded by the server's first-byte deadline (until a
+request is decrypted the connection has sent no byte the server sees: handshake and first
+request within ``head_timeout`` of the accept), and an unfinished one holds a place in the
+same connection budget, among the first evicted (it has completed no request).
 """
 
 from __future__ import annotations

@@ -178,6 +178,10 @@ def test_gateway_port_served_and_never_scraped() -> None:
     assert manifests.env(sidecar)["KVSIDECAR_GATEWAY_LISTEN_ADDRESS"] == ":19450"
     (monitor,) = kind(docs, "PodMonitor")
     assert [e["port"] for e in monitor["spec"]["podMetricsEndpoints"]] == ["metrics"]
+    # Sized for the picker's polls (docs/gateway.md "The cost of a poll, and sizing").
+    res = sidecar["resources"]
+    assert res["requests"]["cpu"] == res["limits"]["cpu"] == "100m"
+    assert the_sidecar(objects("defaults"))["resources"]["limits"]["cpu"] == "50m"
 
 
 def test_gateway_tls_secret_is_mounted_where_serve_reads_it(monkeypatch) -> None:

@@ -83,7 +83,13 @@ its Service). holdOnError keeps a misconfigured sidecar running and saying why.
       protocol: TCP
     {{- end }}
   resources:
-    {{- toYaml .Values.resources | nindent 4 }}
+    {{- $res := deepCopy .Values.resources }}
+    {{- if .Values.gateway.enabled }}
+    {{- /* the gateway's polls: docs/gateway.md "The cost of a poll, and sizing" */}}
+    {{- $_ := set $res.requests "cpu" .Values.gateway.cpu }}
+    {{- $_ := set $res.limits "cpu" .Values.gateway.cpu }}
+    {{- end }}
+    {{- toYaml $res | nindent 4 }}
   securityContext:
     runAsNonRoot: true
     runAsUser: {{ .Values.runAsUser }}

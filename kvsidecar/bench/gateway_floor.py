@@ -1,0 +1,139 @@
+"""The gateway poll's floor, design candidates side by side (issue 44 item 1).
+
+``python -m kvsidecar.bench.gateway_floor [--seconds S] [--hz HZ] [--steps-per-s N]``: one
+process holds what the daemon holds for the gateway (a `TargetSet` polled every 0.25 s in
+the background, a `Gateway`, a `PollServer` thread), a writer process publishes a realistic
+snapshot (4 pools) N times a second, and a picker process polls at HZ over 20 kept-alive
+connections (`gateway._PICKER`, which also counts freshness: the served step against the
+step the segment held just before the request). Counted: the poll server thread's own CPU
+(/proc/self/task/TID/stat: the listener's work, not the background poller's) per poll
+answered, and the share of polls that were fresh. Candidates, each in turn, same writer:
+
+* ``full``: every poll a full check (the target's poll: trust, budgets, identity,
+  liveness, progress) and the body cached per (incarnation, seq), as main did;
+* ``word``: the published sequence word loaded, the bytes built at the last full check
+  re-sent while it is unchanged (a full check at least every `gateway.FULL_CHECK_EVERY`).
+
+Both with the shared parser's verdict kept per distinct head, and the same answer tuple's
+bytes re-sent (`poll_server`): the parse and the head are a lookup in both.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+from kvsidecar.bench import fleet
+from kvsidecar.bench.gateway import _PICKER, PICKERS
+from kvsidecar.daemon import gateway as gw
+from kvsidecar.daemon.config import Discovery, Polling
+from kvsidecar.daemon.targets import TargetSet
+from kvsidecar.web.poll_server import PollServer
+
+# Run from a checkout of code before the candidates (`Gateway` without the sequence word),
+# the one candidate there is that code as it is: "before".
+CANDIDATES = ("full", "word") if hasattr(gw, "FULL_CHECK_EVERY") else ("before",)
+
+
+def _thread_cpu(tid: int) -> float:
+    with open(f"/proc/self/task/{tid}/stat") as f:
+        fields = f.read().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def measure(seconds: float, hz: float, steps_per_s: float) -> dict[str, Any]:
+    tmp = tempfile.mkdtemp(prefix="kvsidecar-gwfloor-", dir="/dev/shm")
+    shm = os.path.join(tmp, "shm")
+    os.mkdir(shm)
+    ctx = mp.get_context("spawn")
+    ready, stop = ctx.Event(), ctx.Event()
+    writer = ctx.Process(target=fleet.writer_main, args=(shm, 1, 4, steps_per_s, ready, stop))
+    writer.start()
+    out: dict[str, Any] = {"seconds": seconds, "hz": hz, "steps_per_s": steps_per_s}
+    targets = None
+    try:
+        if not ready.wait(60):
+            raise RuntimeError("writer did not start")
+        targets = TargetSet(Discovery(shm), polling=Polling(poll_interval=0.25))
+        targets.poll_all()
+        targets.start()
+        segment = os.path.join(shm, sorted(os.listdir(shm))[0])
+        for cand in CANDIDATES:
+            out[cand] = _one(targets, segment, tmp, cand, seconds, hz)
+    finally:
+        if targets is not None:
+            targets.stop()
+        stop.set()
+        writer.join(10)
+        if writer.is_alive():
+            writer.kill()
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _one(
+    targets: TargetSet, segment: str, tmp: str, cand: str, seconds: float, hz: float
+) -> dict[str, Any]:
+    every = getattr(gw, "FULL_CHECK_EVERY", None)
+    if every is not None:
+        gw.FULL_CHECK_EVERY = 0.0 if cand == "full" else every
+    gateway = gw.Gateway(targets)
+    sock = socket.create_server(("127.0.0.1", 0))
+    port = sock.getsockname()[1]
+    server = PollServer([(sock, gateway.route(0))], name="kvsidecar-gateway")
+    server.start()
+    counter = os.path.join(tmp, f"floor-{cand}")
+    with open(counter, "wb") as f:
+        f.write(bytes(32))
+    args = [str(port), "/metrics", str(hz), str(PICKERS), counter, segment]
+    picker = subprocess.Popen([sys.executable, "-c", _PICKER, *args])
+    try:
+        time.sleep(2.0)  # connections made, caches warm
+        tid = server._thread.native_id  # type: ignore[union-attr]
+        c0, n0, f0 = _thread_cpu(tid), _counts(counter), getattr(gateway, "full_checks", 0)
+        time.sleep(seconds)
+        c1, n1, f1 = _thread_cpu(tid), _counts(counter), getattr(gateway, "full_checks", 0)
+    finally:
+        picker.kill()
+        picker.wait()
+        server.shutdown()
+        if every is not None:
+            gw.FULL_CHECK_EVERY = every
+    polls = n1[0] - n0[0]
+    return {
+        "polls": polls,
+        "polls_per_s": polls / seconds,
+        "cpu_ms_per_poll": 1000 * (c1 - c0) / max(1, polls),
+        "core_pct": 100 * (c1 - c0) / seconds,
+        "full_check_share": (f1 - f0) / max(1, polls),
+        "fresh_fraction": (n1[1] - n0[1]) / max(1, n1[2] - n0[2]),
+    }
+
+
+def _counts(path: str) -> tuple[int, ...]:
+    with open(path, "rb") as f:
+        raw = f.read(32)
+    return tuple(int.from_bytes(raw[k : k + 8], "little") for k in range(0, 32, 8))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--hz", type=float, default=400.0)
+    p.add_argument("--steps-per-s", type=float, default=50.0)
+    a = p.parse_args()
+    json.dump(measure(a.seconds, a.hz, a.steps_per_s), sys.stdout, indent=1)
+    print()
+
+
+if __name__ == "__main__":
+    main()
