@@ -214,7 +214,8 @@ GATEWAY_ROLE = _s(
     "GATEWAY_ROLE",
     "str",
     None,
-    "serve only segments of this role (prefill, decode, both) on the gateway",
+    "serve only segments of this role (prefill, decode, both) on the gateway; several, "
+    "comma-separated (prefill,decode): role i's dp_rank r on the gateway port + i * ranks + r",
     DAEMON,
     flag="--gateway.role",
 )
@@ -225,6 +226,15 @@ GATEWAY_MAX_CONNECTIONS = _s(
     "open gateway connections, all listeners together; at the cap the one idle longest makes room",
     DAEMON,
     flag="--gateway.max-connections",
+)
+GATEWAY_WEB_CONFIG_FILE = _s(
+    "GATEWAY_WEB_CONFIG_FILE",
+    "path",
+    None,
+    "TLS and client certificates on the gateway listeners: a web config file (exporter-toolkit "
+    "format) with only tls_server_config, reloaded as --web.config.file is",
+    DAEMON,
+    flag="--gateway.web-config-file",
 )
 GATEWAY_STALE_AFTER = _s(
     "GATEWAY_STALE_AFTER",

@@ -53,6 +53,19 @@ def _gateway_address(value: str | None) -> tuple[str, int] | None:
         raise click.BadParameter(str(e)) from None
 
 
+def _gateway_roles(value: str | None) -> tuple[str, ...]:
+    """`prefill,decode` -> ("prefill", "decode"); a role twice or unknown is a usage error."""
+    if not value:
+        return ()
+    roles = tuple(r.strip() for r in value.split(","))
+    for r in roles:
+        if r not in GATEWAY_ROLES:
+            raise click.BadParameter(f"{r!r} is not one of {', '.join(GATEWAY_ROLES)}")
+    if len(set(roles)) != len(roles):
+        raise click.BadParameter(f"{value!r} names a role twice")
+    return roles
+
+
 def _telemetry_path(value: str) -> str:
     """A bad path is a usage error naming the option, not "cannot listen"."""
     from kvsidecar.daemon.endpoints import telemetry_path_problem
@@ -182,11 +195,15 @@ def _telemetry_path(value: str) -> str:
 )
 @click.option(
     "--gateway.role",
-    "gateway_role",
-    type=click.Choice(GATEWAY_ROLES),
+    "gateway_roles",
     default=settings.GATEWAY_ROLE.default,
     envvar=settings.GATEWAY_ROLE.name,
-    help="Serve only segments of this role on the gateway (default: any).",
+    callback=lambda ctx, param, value: _gateway_roles(value),
+    help=(
+        "Serve only segments of this role on the gateway (default: any); several, "
+        "comma-separated (prefill,decode), give each role its own listeners: role i's "
+        "dp_rank r on the port + i * --gateway.ranks + r."
+    ),
 )
 @click.option(
     "--gateway.max-connections",
@@ -196,6 +213,17 @@ def _telemetry_path(value: str) -> str:
     show_default=True,
     envvar=settings.GATEWAY_MAX_CONNECTIONS.name,
     help="Open gateway connections, all listeners together; the idlest makes room at the cap.",
+)
+@click.option(
+    "--gateway.web-config-file",
+    "gateway_web_config_file",
+    type=click.Path(dir_okay=False),
+    default=settings.GATEWAY_WEB_CONFIG_FILE.default,
+    envvar=settings.GATEWAY_WEB_CONFIG_FILE.name,
+    help=(
+        "Serve the gateway over TLS (client certificates optional): a web config file with "
+        "only tls_server_config, re-read on change and on SIGHUP (docs/gateway.md)."
+    ),
 )
 @click.option(
     "--gateway.stale-after",

@@ -78,10 +78,15 @@ class GatewayOptions:
 
     address: tuple[str, int]
     ranks: int = 1
-    role: str | None = None
+    # Roles served, each on listeners of its own (port + i * ranks + dp_rank for role i);
+    # empty: one set of listeners serving any role.
+    roles: tuple[str, ...] = ()
     max_connections: int = 256
     # Seconds without progress after which a rank is answered 503 (docs/gateway.md).
     stale_after: float = GATEWAY_STALE_AFTER.default
+    # TLS on the gateway listeners: a web config file holding only tls_server_config
+    # (kvsidecar/web/poll_tls.py); None: plain HTTP.
+    web_config_file: str | None = None
 
 
 @dataclass(frozen=True)

@@ -113,10 +113,16 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
     gateway = None
     if config.gateway is not None:
         from kvsidecar.daemon.gateway import GatewayListenError, start_gateway
+        from kvsidecar.web.poll_tls import PollTLS
 
         try:
-            gateway = start_gateway(targets, config.gateway)
-        except GatewayListenError as e:
+            gateway_tls = (
+                PollTLS.load(config.gateway.web_config_file)
+                if config.gateway.web_config_file
+                else None
+            )
+            gateway = start_gateway(targets, config.gateway, gateway_tls)
+        except (GatewayListenError, WebConfigError) as e:
             _start_error(str(e))
             _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
         daemon.gateway_server = gateway
@@ -187,13 +193,15 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
     if gateway is not None:
         log.info(
             "gateway endpoint (model-server protocol, not for Prometheus) on %s",
-            " ".join(f"{a}=dp_rank {r}" for r, a in enumerate(gateway.addresses)),
+            " ".join(f"{a}={what}" for a, what in zip(gateway.addresses, gateway.served)),
         )
     while not stopping.wait(0.2):
         if hangups:
             hangups.clear()
             log.info("received SIGHUP, reloading the web config")
             server.reload()
+            if gateway is not None and gateway.tls is not None:
+                gateway.tls.reload()
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
     if kv_events is not None:
         kv_events.stop()
@@ -288,7 +296,8 @@ def _ports_overlap(addresses: list[str], config: ServeConfig) -> str | None:
     if config.gateway is not None:
         host, port = config.gateway.address
         shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        claims.append(Claim("--gateway.listen-address", shown, host, port, config.gateway.ranks))
+        count = config.gateway.ranks * max(1, len(config.gateway.roles))
+        claims.append(Claim("--gateway.listen-address", shown, host, port, count))
     if config.kv_events is not None:
         for flag, endpoint in (
             ("--kv-events.endpoint", config.kv_events.endpoint),

@@ -60,13 +60,17 @@ def test_claims() -> None:
     assert overlap([any_port, Claim("--gateway.listen-address", "x", "", 0, 8)]) is None
 
 
-def test_a_kv_events_port_on_the_main_port_is_one_line(shm_dir: str) -> None:
-    p = free_port_run(1)
-    proc = _serve(
-        shm_dir,
-        "--web.listen-address", f"127.0.0.1:{p}",
-        "--kv-events.endpoint", f"tcp://*:{p}",
-    )  # fmt: skip
+def refused_in_one_line(shm_dir: str, *args: str) -> str:
+    """`serve` with `args` exits 2 before binding anything, saying why in one line."""
+    proc = _serve(shm_dir, *args)
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.splitlines()
+    return line
+
+
+def test_a_kv_events_port_on_the_main_port_is_one_line(shm_dir: str) -> None:
+    p = free_port_run(1)
+    line = refused_in_one_line(
+        shm_dir, "--web.listen-address", f"127.0.0.1:{p}", "--kv-events.endpoint", f"tcp://*:{p}"
+    )
     assert "--kv-events.endpoint" in line and f"port {p}" in line, line
