@@ -56,6 +56,19 @@ MAX_RECORDS_PER_POLL = 16384
 HEARTBEAT_S = 1.0
 
 
+def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
+    """A bound PUB that never lingers and sheds at ``hwm`` (the KV-event and load streams)."""
+    pub = ctx.socket(zmq.PUB)
+    try:
+        pub.set_hwm(hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(endpoint)
+    except Exception:
+        pub.close()
+        raise
+    return pub
+
+
 class _State:
     """What this publisher has announced, per slot: the version (0: nothing), hash,
     group and medium. Fixed arrays sized from the segment: 19 bytes per block."""
@@ -271,11 +284,8 @@ class RankPublisher:
     def _bind(self, dp_rank: int) -> None:
         o = self.options
         self.dp_rank = dp_rank
-        pub = self._ctx.socket(zmq.PUB)
-        pub.set_hwm(o.hwm)
-        pub.setsockopt(zmq.LINGER, 0)
+        pub = open_pub(self._ctx, offset_endpoint_port(o.endpoint, dp_rank), o.hwm)
         try:
-            pub.bind(offset_endpoint_port(o.endpoint, dp_rank))
             replay = None
             if o.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
