@@ -32,11 +32,27 @@ import zmq
 from kvsidecar.daemon.config import LoadPushOptions
 from kvsidecar.daemon.target import Target, TargetView
 from kvsidecar.daemon.targets import TargetSet
+from kvsidecar.protocol import _seqlock, layout
 from kvsidecar.streams.kv_events_wire import offset_endpoint_port
 from kvsidecar.streams.kv_events_zmq import open_pub
 from kvsidecar.streams.load_stat_wire import LOAD_TOPIC, LoadStat, encode, load_stat
 
 log = logging.getLogger("kvsidecar.load_push")
+
+# A rank whose segment published nothing new since its last read is read whole (liveness,
+# progress, a restarted writer) this often; in between, one 8-byte load of its published
+# sequence says nothing changed (the loop's cost when idle: docs/benchmarks.md).
+FULL_READ_S = 0.1
+
+
+def _published(target: Target) -> int | None:
+    """The segment's published sequence (one 8-byte copy), or None while it is not mapped."""
+    with target.lock:
+        mm = target.reader.mm
+        if mm is None or target.forgotten:
+            return None
+        raw = _seqlock.copy_range(mm, layout.OFF_PUBLISHED_SEQ, 8)
+    return None if raw is None else int.from_bytes(raw, "little")
 
 
 class RankLoad:
@@ -51,6 +67,8 @@ class RankLoad:
         self.last: LoadStat | None = None
         self.last_sent = 0.0
         self.silent_why: str | None = "not seen yet"
+        self.read_seq = -1  # the published sequence of the last whole read, and when
+        self.read_at = 0.0
         self.sent = self.changed = self.resent = 0
 
     def offer(self, stat: LoadStat, now: float) -> bool:
@@ -78,7 +96,7 @@ class RankLoad:
 
     def silence(self, why: str) -> None:
         if self.silent_why is None:
-            log.warning("load push dp_rank %d: sending nothing: %s", self.dp_rank, why)
+            log.info("load push dp_rank %d: sending nothing: %s", self.dp_rank, why)
         self.silent_why = why
         self.last = None  # the next one goes out at once, whatever it says
 
@@ -132,6 +150,14 @@ class LoadPushService:
             rank = self._rank(dp_rank)
             if rank is None:
                 continue
+            if (
+                len(candidates) == 1
+                and rank.last is not None
+                and now - rank.read_at < FULL_READ_S
+                and _published(candidates[0]) == rank.read_seq
+            ):
+                rank.offer(rank.last, now)  # nothing new: only a due re-send goes out
+                continue
             views = [t.poll(log_transitions=True) for t in candidates]
             up = [v for v in views if v.up and v.last is not None]
             if len(up) > 1:
@@ -146,6 +172,7 @@ class LoadPushService:
                     rank.silence(f"{view.name}: no progress for {still:.1f}s (hung or stopped?)")
                 else:
                     assert view.last is not None
+                    rank.read_seq, rank.read_at = view.last.seq, now
                     rank.offer(load_stat(view.last.snapshot), now)
 
     def _rank(self, dp_rank: int) -> RankLoad | None:
