@@ -187,7 +187,8 @@ def run(quick: bool = False) -> dict[str, Any]:
     conditions.append(("push, idle", 0.0))
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvs-loadpush-") as shm:
-        push, gateway = fleet.free_port(), fleet.free_port()
+        push = fleet.free_port_run(2)
+        gateway = push + 1
         endpoint = f"tcp://127.0.0.1:{push}"
         for pushing in (True, False):
             # Last, the same daemon without the push: its own idle cost, the baseline.

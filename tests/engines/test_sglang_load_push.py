@@ -93,7 +93,9 @@ def stack(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("sglang-load")
     shm = tmp / "shm"
     shm.mkdir()
-    port, kv, theirs, ours = (fleet.free_port() for _ in range(4))
+    # Below the ephemeral range: a port picked there may be a connection's by the bind.
+    port = fleet.free_port_run(4)
+    kv, theirs, ours = port + 1, port + 2, port + 3
     cmd = sb.server_command(python, ss.model_dir(tmp / "model"), port, MAX_TOTAL)
     # SGLang's load socket needs its KV-event publisher's tcp endpoint (discovery).
     cmd += [

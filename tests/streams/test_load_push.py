@@ -18,7 +18,7 @@ import pytest
 
 pytest.importorskip("zmq", reason="pyzmq (the kvevents extra, in the dev set) is missing")
 
-from kvsidecar.bench.fleet import free_port, stop_daemon
+from kvsidecar.bench.fleet import free_port_run, stop_daemon
 from kvsidecar.streams.load_stat_wire import LoadStat, encode
 from tests.conftest import REPO
 from tests.streams.load_writer import BLOCK, TOTAL
@@ -72,7 +72,7 @@ def _expected(running: int, waiting: int, allocated: int, dp: int) -> bytes:
 def pushed(tmp_path):
     shm = tmp_path / "shm"
     shm.mkdir()
-    port = free_port()
+    port = free_port_run(2)  # rank 1 on port + 1
     daemon, _url = start_daemon(
         str(shm), "--load-push.endpoint", f"tcp://127.0.0.1:{port}", "--rediscover-interval", "0.1"
     )
