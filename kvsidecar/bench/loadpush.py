@@ -11,7 +11,8 @@ CLOCK_MONOTONIC (one clock for every process of the host). One ``kvsidecar serve
   minimum ``--refresh-metrics-interval``) on a kept-alive connection, no subscriber;
 * ``push, idle``: the writer does not step (its agent's idle heartbeat only);
 * ``serve alone, idle``: the same, on a daemon without ``--load-push.endpoint`` (its CPU is
-  the baseline the push adds to).
+  the baseline the push adds to). The polls run on that daemon too: each daemon CPU figure
+  is one reader's.
 
 Per condition: messages (or polls) a second; for each step, the delay from its publish to
 the first message or poll answer that shows it or a later step (a later one supersedes it:
@@ -181,18 +182,18 @@ def run(quick: bool = False) -> dict[str, Any]:
     except ImportError:
         return {"skipped": "pyzmq is missing: pip install 'kvsidecar[kvevents]'", "rows": []}
     seconds = 2.0 if quick else 10.0
-    conditions = [("push", 0.02), ("poll 50 ms", 0.02)]
-    if not quick:
-        conditions += [("push", 0.005), ("poll 50 ms", 0.005)]
-    conditions.append(("push, idle", 0.0))
+    periods = [0.02] if quick else [0.02, 0.005]
+    # The push on a daemon with --load-push.endpoint; the polls and the idle baseline on
+    # one without it, so each daemon CPU figure is that reader's alone.
+    pushed = [("push", p) for p in periods] + [("push, idle", 0.0)]
+    polled = [("poll 50 ms", p) for p in periods] + [("serve alone, idle", 0.0)]
     rows = []
     with tempfile.TemporaryDirectory(prefix="kvs-loadpush-") as shm:
         push = fleet.free_port_run(2)
         gateway = push + 1
         endpoint = f"tcp://127.0.0.1:{push}"
         for pushing in (True, False):
-            # Last, the same daemon without the push: its own idle cost, the baseline.
-            todo = conditions if pushing else [("serve alone, idle", 0.0)]
+            todo = pushed if pushing else polled
             args = ["--load-push.endpoint", endpoint] if pushing else []
             daemon, _url = fleet.start_daemon(
                 shm,
