@@ -1,6 +1,6 @@
 """A real writer process for the load-push tests, driven line by line on stdin.
 
-``python -m tests.streams.load_writer NAME SHM_DIR ENGINE DP_RANK``; prints "ready" after
+``python -m tests.streams.load_writer NAME SHM_DIR ENGINE DP_RANK [ROLE]``; prints "ready" after
 its first publish (running 0, waiting 0, allocated 0). Then each line ``R W A`` publishes
 the next step with R running, W waiting and A allocated blocks (of `TOTAL`, block size
 `BLOCK`) and prints the CLOCK_MONOTONIC ns of the publish; the agent's idle heartbeat
@@ -21,10 +21,13 @@ TOTAL = 999
 BLOCK = 16
 
 
-def build(engine: str, dp: int, step: int, running: int, waiting: int, allocated: int):
+def build(
+    engine: str, dp: int, step: int, running: int, waiting: int, allocated: int, role: str
+) -> Snapshot:
     return Snapshot(
         runtime=RuntimeSnapshot(
             engine=engine,
+            role=role,
             model_name="m",
             dp_rank=dp,
             dp_size=2,
@@ -51,17 +54,18 @@ def build(engine: str, dp: int, step: int, running: int, waiting: int, allocated
 
 def main() -> None:
     name, shm_dir, engine, dp = sys.argv[1:5]
+    role = sys.argv[5] if len(sys.argv) > 5 else "both"
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     with SegmentWriter(name, shm_dir=shm_dir) as w:
         beat = IdleHeartbeat(w, 0.5)
         step = 1
-        w.publish(build(engine, int(dp), step, 0, 0, 0))
+        w.publish(build(engine, int(dp), step, 0, 0, 0, role))
         print("ready", flush=True)
         for line in sys.stdin:
             running, waiting, allocated = (int(x) for x in line.split())
             step += 1
             beat.last_step_ns = time.perf_counter_ns()
-            w.publish(build(engine, int(dp), step, running, waiting, allocated))
+            w.publish(build(engine, int(dp), step, running, waiting, allocated, role))
             print(time.monotonic_ns(), flush=True)
         beat.stop()
 

@@ -29,10 +29,11 @@ pytestmark = pytest.mark.timeout(300)
 
 
 class Writer:
-    def __init__(self, shm_dir: str, engine: str, dp: int) -> None:
-        name = f"kvsidecar.{engine}.dp{dp}.tp0.pp0"
+    def __init__(self, shm_dir: str, engine: str, dp: int, role: str = "both") -> None:
+        name = f"kvsidecar.{engine}.{role}.dp{dp}.tp0.pp0"
+        cmd = ["-m", "tests.streams.load_writer", name, shm_dir, engine, str(dp), role]
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.streams.load_writer", name, shm_dir, engine, str(dp)],
+            [sys.executable, *cmd],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             text=True,
@@ -69,13 +70,17 @@ def _expected(running: int, waiting: int, allocated: int, dp: int) -> bytes:
 
 
 @pytest.fixture
-def pushed(tmp_path):
+def pushed(tmp_path, request):
     shm = tmp_path / "shm"
     shm.mkdir()
     port = free_port_run(2)  # rank 1 on port + 1
+    extra = getattr(request, "param", ())
     daemon, _url = start_daemon(
-        str(shm), "--load-push.endpoint", f"tcp://127.0.0.1:{port}", "--rediscover-interval", "0.1"
-    )
+        str(shm),
+        "--load-push.endpoint", f"tcp://127.0.0.1:{port}",
+        "--rediscover-interval", "0.1",
+        *extra,
+    )  # fmt: skip
     subs: list[Subscriber] = []
     writers: list[Writer] = []
 
@@ -84,8 +89,8 @@ def pushed(tmp_path):
         subs.append(s)
         return s
 
-    def writer(engine: str, dp: int) -> Writer:
-        w = Writer(str(shm), engine, dp)
+    def writer(engine: str, dp: int, role: str = "both") -> Writer:
+        w = Writer(str(shm), engine, dp, role)
         writers.append(w)
         return w
 
@@ -168,3 +173,29 @@ def test_a_dead_writer_goes_silent(pushed):
     sub.poll(3.0)
     sub.poll(0)
     assert len(sub.readings) == n, [r.raw for r in sub.readings[n:]]
+
+
+def test_two_roles_on_one_rank_send_nothing_until_a_role_is_chosen(pushed):
+    """A P/D pod's two engines both on DP rank 0: whose load would it be? Nothing is sent
+    (the router's staleness takes over), as the gateway answers 503."""
+    subscribe, writer = pushed
+    sub = subscribe(0)
+    prefill, decode = writer("vllm", 0, "prefill"), writer("vllm", 0, "decode")
+    prefill.step(1, 1, 1)
+    decode.step(2, 2, 2)
+    sub.poll(3.0)
+    sub.poll(0)
+    # Before both were seen, the first alone may have been sent: never after both were.
+    assert all(r.raw[1:4] in ([0, 0, 0], [1, 1, 16]) for r in sub.readings), sub.readings
+    assert not any(r.raw[1:4] == [2, 2, 32] for r in sub.readings)
+
+
+@pytest.mark.parametrize("pushed", [("--load-push.role", "decode")], indirect=True)
+def test_the_role_chosen_is_pushed(pushed):
+    subscribe, writer = pushed
+    sub = subscribe(0)
+    prefill, decode = writer("vllm", 0, "prefill"), writer("vllm", 0, "decode")
+    prefill.step(1, 1, 1)
+    decode.step(2, 2, 2)
+    _until(sub, _expected(2, 2, 2, 0))
+    assert not any(r.raw[1:4] == [1, 1, 16] for r in sub.readings), [r.raw for r in sub.readings]
