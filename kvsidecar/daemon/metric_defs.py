@@ -829,6 +829,16 @@ OTLP_DROPPED_BATCHES_TOTAL = MetricDef(
     more="docs/otlp.md. queue_full: the collector was slow or unreachable; send_failed: "
     "refused, timed out, TLS or HTTP error.",
 )
+LOAD_PUSH_MESSAGES_TOTAL = MetricDef(
+    "kvsidecar_load_push_messages_total",
+    COUNTER,
+    "messages",
+    "LoadStat messages the load push sent (--load-push.endpoint), by rank (dp_rank: its "
+    "socket, port + dp_rank) and reason: changed = a step changed the values, resent = the "
+    "last one again after a second. No series while the push is off.",
+    more="docs/load-push.md. A rank that stops counting is not up, not fresh, or claimed "
+    "by two segments: the log says which, once.",
+)
 DAEMON: tuple[MetricDef, ...] = (
     REFUSED_SEGMENTS,
     SEGMENT_REFUSALS_TOTAL,
@@ -848,6 +858,7 @@ DAEMON: tuple[MetricDef, ...] = (
     TARGETS_WAITING,
     REFUSED_SEGMENTS_UNREMEMBERED,
     OTLP_DROPPED_BATCHES_TOTAL,
+    LOAD_PUSH_MESSAGES_TOTAL,
 )
 
 ALL: tuple[MetricDef, ...] = (*RUNTIME, ENGINE_INFO, *POOL, *POOL_DERIVED, *DP, *SOURCE, *DAEMON)

@@ -162,7 +162,7 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
         if config.load_push is not None:
             from kvsidecar.streams.load_push import LoadPushService
 
-            load_push = LoadPushService(targets, config.load_push)
+            load_push = daemon.load_push = LoadPushService(targets, config.load_push)
     except ImportError as e:
         flag = "--kv-events.endpoint" if config.kv_events is not None else "--load-push.endpoint"
         _start_error(f"{flag} needs pyzmq ({e}): pip install 'kvsidecar[kvevents]'")

@@ -69,7 +69,7 @@ class RankLoad:
         self.silent_why: str | None = "not seen yet"
         self.read_seq = -1  # the published sequence of the last whole read, and when
         self.read_at = 0.0
-        self.sent = self.changed = self.resent = 0
+        self.changed = self.resent = 0  # messages sent, by reason
 
     def offer(self, stat: LoadStat, now: float) -> bool:
         """Send `stat` if it differs from the last sent, or the last is `heartbeat` old."""
@@ -87,7 +87,6 @@ class RankLoad:
         except zmq.Again:  # PUB sheds at its high-water mark itself; never wait
             pass
         self.last, self.last_sent = stat, now
-        self.sent += 1
         if changed:
             self.changed += 1
         else:
@@ -123,6 +122,14 @@ class LoadPushService:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self.error: str | None = None
+
+    def counts(self) -> dict[tuple[int, str], int]:
+        """Messages sent by (dp_rank, reason): changed or resent (the collector's thread)."""
+        out = {}
+        for rank in list(self.ranks.values()):
+            out[(rank.dp_rank, "changed")] = rank.changed
+            out[(rank.dp_rank, "resent")] = rank.resent
+        return out
 
     def start(self) -> None:
         self._thread = threading.Thread(target=self._run, name="load-push", daemon=True)

@@ -18,6 +18,7 @@ import pytest
 
 pytest.importorskip("zmq", reason="pyzmq (the kvevents extra, in the dev set) is missing")
 
+from kvsidecar.bench import vllm as vb
 from kvsidecar.bench.fleet import free_port_run, stop_daemon
 from kvsidecar.streams.load_stat_wire import LoadStat, encode
 from tests.conftest import REPO
@@ -75,7 +76,7 @@ def pushed(tmp_path, request):
     shm.mkdir()
     port = free_port_run(2)  # rank 1 on port + 1
     extra = getattr(request, "param", ())
-    daemon, _url = start_daemon(
+    daemon, url = start_daemon(
         str(shm),
         "--load-push.endpoint", f"tcp://127.0.0.1:{port}",
         "--rediscover-interval", "0.1",
@@ -94,6 +95,7 @@ def pushed(tmp_path, request):
         writers.append(w)
         return w
 
+    subscribe.url = url  # type: ignore[attr-defined]
     try:
         yield subscribe, writer
     finally:
@@ -160,6 +162,13 @@ def test_unchanged_steps_send_nothing_and_idle_resends_once_a_second(pushed):
     # The daemon re-sends once a second has passed since the last send: never sooner
     # (less a little delivery jitter), whatever the 21 steps did.
     assert min(gaps) >= 0.9, gaps
+    # Counted by reason on the daemon's /metrics, for each message the subscriber got.
+    m = vb.scrape(f"{subscribe.url}/metrics")
+    name = "kvsidecar_load_push_messages_total"
+    changed = vb.value(m, name, dp_rank="0", reason="changed")
+    resent = vb.value(m, name, dp_rank="0", reason="resent")
+    assert changed >= 2 and resent >= len(after) - 1, (changed, resent)
+    assert changed + resent >= len(sub.readings)
 
 
 def test_a_dead_writer_goes_silent(pushed):
