@@ -289,6 +289,33 @@ KV_EVENTS_POLL_INTERVAL = _s(
     DAEMON,
     flag="--kv-events.poll-interval",
 )
+# -- the load push (kvsidecar/streams/load_push.py, docs/load-push.md; kvsidecar[kvevents]) ----
+LOAD_PUSH_ENDPOINT = _s(
+    "LOAD_PUSH_ENDPOINT",
+    "str",
+    None,
+    "publish every engine's load as SGLang's `LoadStat` ZMQ stream (`--load-publish-endpoint`'s "
+    "wire): a PUB per DP rank r on this endpoint's port + r (e.g. `tcp://*:5560`; off when unset)",
+    DAEMON,
+    flag="--load-push.endpoint",
+)
+LOAD_PUSH_ROLE = _s(
+    "LOAD_PUSH_ROLE",
+    "str",
+    None,
+    "push only segments of this role (prefill, decode, both)",
+    DAEMON,
+    flag="--load-push.role",
+)
+LOAD_PUSH_POLL_INTERVAL = _s(
+    "LOAD_PUSH_POLL_INTERVAL",
+    "float",
+    0.005,
+    "seconds between reads of each rank's segment; a LoadStat whose values changed goes out "
+    "at the read that sees it, an unchanged one once a second",
+    DAEMON,
+    flag="--load-push.poll-interval",
+)
 # -- OTLP push (kvsidecar/otlp/, docs/otlp.md; needs the kvsidecar[otlp] extra) ----------------
 OTLP_ENDPOINT = _s(
     "OTLP_ENDPOINT",

@@ -771,6 +771,23 @@ def cost_cmd(
     report.write_json(out, "cost", r)
 
 
+@bench.command(name="loadpush")
+@quick_option
+@out_option
+def loadpush_cmd(quick: bool, out: str) -> None:
+    """The load push (SGLang's LoadStat stream) against a picker polling at 50 ms."""
+    from kvsidecar.bench import loadpush
+
+    r = loadpush.run(quick=quick)
+    if r.get("skipped"):
+        click.echo(f"bench loadpush: {r['skipped']}")
+        return
+    report.print_table(
+        f"load push ({r['seconds']:g} s a condition)", loadpush.HEADERS, loadpush.rows(r)
+    )
+    report.write_json(out, "loadpush", r)
+
+
 @bench.command(name="gateway")
 @quick_option
 @out_option

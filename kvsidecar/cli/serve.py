@@ -281,6 +281,34 @@ def _telemetry_path(value: str) -> str:
     show_default=True,
     help="Seconds between reads of a KV-event segment (one batch per read).",
 )
+@click.option(
+    "--load-push.endpoint",
+    "load_push_endpoint",
+    envvar=settings.LOAD_PUSH_ENDPOINT.name,
+    default=settings.LOAD_PUSH_ENDPOINT.default,
+    help=(
+        "Publish every engine's load on SGLang's LoadStat ZMQ wire (--load-publish-endpoint), "
+        "a PUB per DP rank r on this endpoint's port + r, e.g. tcp://*:5560 "
+        "(docs/load-push.md; needs kvsidecar[kvevents]). Off when unset."
+    ),
+)
+@click.option(
+    "--load-push.role",
+    "load_push_role",
+    type=click.Choice(GATEWAY_ROLES),
+    envvar=settings.LOAD_PUSH_ROLE.name,
+    default=settings.LOAD_PUSH_ROLE.default,
+    help="Push only segments of this role (default: any).",
+)
+@click.option(
+    "--load-push.poll-interval",
+    "load_push_poll_interval",
+    type=click.FloatRange(0.001, 1),
+    envvar=settings.LOAD_PUSH_POLL_INTERVAL.name,
+    default=settings.LOAD_PUSH_POLL_INTERVAL.default,
+    show_default=True,
+    help="Seconds between reads of each rank (a changed LoadStat is sent at the read).",
+)
 @trust_options
 @click.option(
     "--ready-requires-source",
@@ -395,6 +423,11 @@ def serve(**options: Any) -> None:
     run(serve_config(o), log_level, log_format)
 
 
+def _group(o: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The options named ``prefix...``, taken out of `o`, by their record's field names."""
+    return {k.removeprefix(prefix): o.pop(k) for k in [k for k in o if k.startswith(prefix)]}
+
+
 def serve_config(o: dict[str, Any]) -> ServeConfig:
     """The flags (their click names), dealt once into the daemon's records
     (daemon/config.py); `o` is emptied, and a flag no record takes is an error."""
@@ -403,19 +436,16 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
         Discovery,
         GatewayOptions,
         KVEventsOptions,
+        LoadPushOptions,
         Polling,
         ServeConfig,
         WebOptions,
     )
 
-    # --gateway.* -> GatewayOptions' fields by name (gateway_ranks -> ranks)
-    gateway = {
-        k.removeprefix("gateway_"): o.pop(k) for k in [k for k in o if k.startswith("gateway_")]
-    }
-    # --kv-events.* -> KVEventsOptions' fields by name (kv_events_topic -> topic)
-    kv_events = {
-        k.removeprefix("kv_events_"): o.pop(k) for k in [k for k in o if k.startswith("kv_events_")]
-    }
+    # --gateway.* -> GatewayOptions' fields by name (gateway_ranks -> ranks), and so on
+    gateway = _group(o, "gateway_")
+    kv_events = _group(o, "kv_events_")
+    load_push = _group(o, "load_push_")
     rediscover_interval = o.pop("rediscover_interval")
     config = ServeConfig(
         discovery=Discovery(
@@ -448,6 +478,7 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
         ),
         gateway=None if gateway["address"] is None else GatewayOptions(**gateway),
         kv_events=None if kv_events["endpoint"] is None else KVEventsOptions(**kv_events),
+        load_push=None if load_push["endpoint"] is None else LoadPushOptions(**load_push),
         max_new_targets=o.pop("max_new_targets"),
         new_target_interval=o.pop("new_target_interval"),
         otlp={k: o.pop(k) for k in [k for k in o if k.startswith("otlp_")]},  # otlp/options.py

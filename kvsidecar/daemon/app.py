@@ -94,6 +94,7 @@ class Daemon:
         self._ready_cache: tuple[tuple, tuple[bool, str]] | None = None
         # The gateway's PollServer, when --gateway.listen-address is set: its counts only.
         self.gateway_server: Any = None
+        self.load_push: Any = None  # kvsidecar/streams/load_push.py, while --load-push is on
         # The OTLP Pusher, when --otlp.endpoint is set: its drop counts only.
         self.otlp_pusher: Any = None
         self._render_lock = threading.Lock()
@@ -224,6 +225,7 @@ class Daemon:
             "otlp_exported": (
                 self.otlp_pusher.stats["exported"] if self.otlp_pusher is not None else None
             ),
+            "load_push": self.load_push.counts() if self.load_push is not None else None,
         }
 
     def _http_stats(self) -> dict[str, Any]:

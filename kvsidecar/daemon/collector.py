@@ -258,6 +258,11 @@ class SnapshotCollector:
             yield unremembered
             if stats.get("gateway") is not None:
                 yield from _gateway_families(stats["gateway"])
+            if stats.get("load_push") is not None:  # {(dp_rank, reason): n}, while on
+                sent = _family(md.LOAD_PUSH_MESSAGES_TOTAL, ("dp_rank", "reason"))
+                for (rank, reason), n in sorted(stats["load_push"].items()):
+                    sent.add_metric([str(rank), reason], n)
+                yield sent
             if stats.get("otlp") is not None:  # {reason: n}, only while the push is on
                 dropped = _family(md.OTLP_DROPPED_BATCHES_TOTAL, ("reason",))
                 for reason, n in sorted(stats["otlp"].items()):

@@ -838,6 +838,16 @@ OTLP_EXPORTED_BATCHES_TOTAL = MetricDef(
     "every push fails or the push stopped (alert KvsidecarOtlpPushFailing). No series while "
     "the push is off.",
 )
+LOAD_PUSH_MESSAGES_TOTAL = MetricDef(
+    "kvsidecar_load_push_messages_total",
+    COUNTER,
+    "messages",
+    "LoadStat messages the load push sent (--load-push.endpoint), by rank (dp_rank: its "
+    "socket, port + dp_rank) and reason: changed = a step changed the values, resent = the "
+    "last one again after a second. No series while the push is off.",
+    more="docs/load-push.md. A rank that stops counting is not up, not fresh, or claimed "
+    "by two segments: the log says which, once.",
+)
 DAEMON: tuple[MetricDef, ...] = (
     REFUSED_SEGMENTS,
     SEGMENT_REFUSALS_TOTAL,
@@ -858,6 +868,7 @@ DAEMON: tuple[MetricDef, ...] = (
     REFUSED_SEGMENTS_UNREMEMBERED,
     OTLP_DROPPED_BATCHES_TOTAL,
     OTLP_EXPORTED_BATCHES_TOTAL,
+    LOAD_PUSH_MESSAGES_TOTAL,
 )
 
 ALL: tuple[MetricDef, ...] = (*RUNTIME, ENGINE_INFO, *POOL, *POOL_DERIVED, *DP, *SOURCE, *DAEMON)

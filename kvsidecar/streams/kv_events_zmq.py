@@ -71,6 +71,19 @@ MAX_PENDING_REPLAYS = 64
 REPLAY_STALL_S = 5.0
 
 
+def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
+    """A bound PUB that never lingers and sheds at ``hwm`` (the KV-event and load streams)."""
+    pub = ctx.socket(zmq.PUB)
+    try:
+        pub.set_hwm(hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(endpoint)
+    except Exception:
+        pub.close()
+        raise
+    return pub
+
+
 class _State:
     """What this publisher has announced, per slot: the version (0: nothing), hash,
     group and medium. Fixed arrays sized from the segment: 19 bytes per block."""
@@ -293,12 +306,10 @@ class RankPublisher:
     def _bind(self, dp_rank: int) -> None:
         o = self.options
         self.dp_rank = dp_rank
-        pub = self._ctx.socket(zmq.PUB)
-        pub.setsockopt(zmq.SNDHWM, min(o.hwm, PUB_QUEUE_MSGS))
-        pub.setsockopt(zmq.RCVHWM, min(o.hwm, PUB_QUEUE_MSGS))
-        pub.setsockopt(zmq.LINGER, 0)
+        pub = open_pub(
+            self._ctx, offset_endpoint_port(o.endpoint, dp_rank), min(o.hwm, PUB_QUEUE_MSGS)
+        )
         try:
-            pub.bind(offset_endpoint_port(o.endpoint, dp_rank))
             replay = None
             if o.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)

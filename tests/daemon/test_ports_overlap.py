@@ -68,9 +68,21 @@ def refused_in_one_line(shm_dir: str, *args: str) -> str:
     return line
 
 
-def test_a_kv_events_port_on_the_main_port_is_one_line(shm_dir: str) -> None:
+@pytest.mark.parametrize(
+    "flag, other",
+    [
+        ("--kv-events.endpoint", ("--web.listen-address", "127.0.0.1:{p}")),
+        ("--load-push.endpoint", ("--web.listen-address", "127.0.0.1:{p}")),
+        ("--load-push.endpoint", ("--kv-events.endpoint", "tcp://127.0.0.1:{p}")),
+        ("--load-push.endpoint", ("--gateway.listen-address", "127.0.0.1:{p}")),
+    ],
+)
+def test_a_stream_port_on_another_listener_is_one_line(
+    shm_dir: str, flag: str, other: tuple[str, str]
+) -> None:
     p = free_port_run(1)
-    line = refused_in_one_line(
-        shm_dir, "--web.listen-address", f"127.0.0.1:{p}", "--kv-events.endpoint", f"tcp://*:{p}"
-    )
-    assert "--kv-events.endpoint" in line and f"port {p}" in line, line
+    args = [other[0], other[1].format(p=p)]
+    if other[0] != "--web.listen-address":
+        args += ["--web.listen-address", "127.0.0.1:0"]
+    line = refused_in_one_line(shm_dir, *args, flag, f"tcp://*:{p}")
+    assert flag in line and other[0] in line and f"port {p}" in line, line
