@@ -787,3 +787,22 @@ def gateway_cmd(quick: bool, out: str, with_vllm: bool = False) -> None:
     if (v := r.get("vllm")) and "skipped" in v:
         click.echo(f"bench gateway --vllm: {v['skipped']}")
     report.write_json(out, "gateway", r)
+
+
+@bench.command(name="kvevents")
+@quick_option
+@out_option
+@click.option(
+    "--vllm", "with_vllm", is_flag=True, help="Also the real vLLM server (needs its env)."
+)
+def kvevents_cmd(quick: bool, out: str, with_vllm: bool = False) -> None:
+    """KV events: the engine's CPU, syscalls and throughput with its own publisher vs
+    kvsidecar vs none, stalled subscribers, the daemon, the full-state snapshot (#42)."""
+    from kvsidecar.bench import kvevents
+
+    r = kvevents.run(quick=quick, vllm=with_vllm)
+    for table in kvevents.tables(r):
+        report.print_table(*table)
+    if (v := r.get("vllm")) and "skipped" in v:
+        click.echo(f"bench kvevents --vllm: {v['skipped']}")
+    report.write_json(out, "kvevents", r)
