@@ -176,14 +176,14 @@ def thread_cpu_ns() -> dict[str, int]:
 
 def workload(pool: KVBlockPool, steps: int, seed: int, step_end) -> None:
     rng = random.Random(seed)
-    prefixes = [
-        [p * 7919 + i for i in range(PREFIX_BLOCKS * BLOCK_SIZE)] for p in range(PREFIXES)
-    ]
+    prefixes = [[p * 7919 + i for i in range(PREFIX_BLOCKS * BLOCK_SIZE)] for p in range(PREFIXES)]
     n = 0
     for _ in range(steps):
         for _ in range(REQUESTS_PER_STEP):
             n += 1
-            prompt = rng.choice(prefixes) + [rng.randrange(50_000) for _ in range(rng.randrange(64))]
+            prompt = rng.choice(prefixes) + [
+                rng.randrange(50_000) for _ in range(rng.randrange(64))
+            ]
             if pool.allocate_prompt(f"r{n}", prompt) is not None:
                 pool.append_slots(f"r{n}", 16, [rng.randrange(50_000) for _ in range(16)])
                 pool.finish(f"r{n}")
@@ -204,7 +204,9 @@ def main() -> None:
     try:
         for line in sys.stdin:
             mode, steps, seed = line.split()
-            pool = KVBlockPool(BLOCKS, BLOCK_SIZE, num_layers=1, kv_heads=1, head_dim=2, device="cpu")
+            pool = KVBlockPool(
+                BLOCKS, BLOCK_SIZE, num_layers=1, kv_heads=1, head_dim=2, device="cpu"
+            )
             rec = None
             step_end = _nothing
             if mode == "kvsidecar":

@@ -189,7 +189,9 @@ def announced_state(reader: KVEventsReader, announced: Sequence[int]) -> list[by
     stride = g.slot_stride
     scanned = Rows(data, stride, g.block_size)
     keep = [
-        i for i, (slot, v) in enumerate(zip(scanned.slots, scanned.versions)) if announced[slot] == v
+        i
+        for i, (slot, v) in enumerate(zip(scanned.slots, scanned.versions))
+        if announced[slot] == v
     ]
     picked = {scanned.slots[i]: data[i * stride : (i + 1) * stride] for i in keep}
     if len(announced) - announced.count(0) > len(picked):

@@ -38,7 +38,9 @@ block = st.fixed_dictionaries(
     }
 )
 ops = st.lists(
-    st.tuples(st.sampled_from(["store"] * 6 + ["remove", "clear"]), st.integers(0, SLOTS - 1), block),
+    st.tuples(
+        st.sampled_from(["store"] * 6 + ["remove", "clear"]), st.integers(0, SLOTS - 1), block
+    ),
     max_size=60,
 )
 
