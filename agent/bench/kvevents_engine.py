@@ -84,7 +84,12 @@ class InEnginePublisher:
         except OSError:
             pass
         while True:
-            self.active.wait()
+            if not self.active.is_set():
+                self.active.wait()
+                # Requests left from a client of an earlier round (gone since): dropped,
+                # so that no round pays for another's replays.
+                while self.replay.poll(0):
+                    self.replay.recv_multipart()
             if self.replay.poll(0):
                 self._service_replay()
             try:
