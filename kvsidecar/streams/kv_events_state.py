@@ -29,7 +29,8 @@ _NIL = b"\xc0"
 
 class Rows:
     """Slot copies as the C scan gives them (``stride`` bytes each, the first 8 the slot's
-    number), in slot order, and their columns."""
+    number), in slot order, and their columns (native casts of the little-endian layout:
+    a little-endian host, as `_seqlock` assumes and checks at import)."""
 
     def __init__(self, data: bytes, stride: int, block_size: int) -> None:
         self.data = data
