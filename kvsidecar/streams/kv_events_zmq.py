@@ -37,6 +37,7 @@ from kvsidecar.daemon.config import KVEventsOptions
 from kvsidecar.protocol import kv_events_layout as kvl
 from kvsidecar.protocol.kv_events_reader import Block, KVEventsReader, Overrun, Record
 from kvsidecar.protocol.reader import ReadError
+from kvsidecar.streams import kv_events_state
 from kvsidecar.streams.kv_events_wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -103,6 +104,15 @@ class _State:
         self.hash[b.slot] = b.block_hash
         self.group[b.slot] = b.group_idx
         self.medium[b.slot] = kvl.MEDIUM_CODES.get(b.medium, 0)
+
+    def announce_rows(self, rows: kv_events_state.Rows) -> None:
+        """`announce` for every row of a table read (in bulk: no Block per row)."""
+        version, hashes, group, medium = self.version, self.hash, self.group, self.medium
+        for slot, v, h, key in zip(rows.slots, rows.versions, rows.hashes, rows.keys):
+            version[slot] = v
+            hashes[slot] = h
+            group[slot] = key[4]
+            medium[slot] = key[2] if key[2] in kvl.MEDIA else 0
 
     def removal(self, slot: int) -> BlockRemoved:
         """The BlockRemoved of an announced slot, which it forgets."""
@@ -350,18 +360,15 @@ class RankPublisher:
 
     def _resync_full(self, reader: KVEventsReader) -> None:
         """A new writer incarnation: clear, then the whole table (parents first)."""
-        head, _epoch, blocks = reader.cached_blocks()
+        head, rows, events = kv_events_state.full_state(reader)
         state = self._state
         assert state is not None
         state.clear()
-        events: list[object] = [AllBlocksCleared()]
-        for b in parents_first(blocks):
-            state.announce(b)
-            events.append(stored_event(reader, [b]))
+        state.announce_rows(rows)
         self._next = head + 1
         self._engine_gone = False
         self.stats["resyncs"] += 1
-        self._publish(events)
+        self._publish(events, encoded=True)
 
     def _resync_diff(self, reader: KVEventsReader) -> None:
         """Overrun (the same writer): remove what is no longer cached, store what is new."""
@@ -435,9 +442,9 @@ class RankPublisher:
 
     # -- the wire -----------------------------------------------------------------------
 
-    def _publish(self, events: list[object], heartbeat: bool = False) -> None:
+    def _publish(self, events: list, heartbeat: bool = False, encoded: bool = False) -> None:
         """Events as batches of at most MAX_EVENTS_PER_BATCH (none: nothing, unless this is
-        the idle heartbeat, one empty batch)."""
+        the idle heartbeat, one empty batch); ``encoded``: each event is msgpack already."""
         pub = self._pub
         if pub is None:
             return
@@ -446,9 +453,7 @@ class RankPublisher:
             if not chunk and not heartbeat:
                 return
             self.seq += 1
-            payload = self._enc.encode(
-                EventBatch(ts=self._clock(), events=chunk, data_parallel_rank=self.dp_rank)
-            )
+            payload = self._batch(chunk, encoded)
             seq = self.seq.to_bytes(8, "big")
             try:
                 pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK, copy=False)
@@ -543,29 +548,22 @@ class RankPublisher:
         if not any(p[2] >= 0 for p in self._pending.values()):
             self._state_cache = (-1, [])
 
+    def _batch(self, events: list, encoded: bool) -> bytes:
+        if encoded:
+            return kv_events_state.encode_batch(self._enc, self._clock(), events, self.dp_rank)
+        return self._enc.encode(
+            EventBatch(ts=self._clock(), events=events, data_parallel_rank=self.dp_rank)
+        )
+
     def _state_batches(self) -> list[bytes]:
         """The announced state as batches: AllBlocksCleared + BlockStored per block whose
         slot still holds the announced version (one not there any more is being removed:
         its removal follows live)."""
         reader, state = self.reader, self._state
         assert reader is not None and state is not None
-        blocks = []
-        for slot in range(state.n):
-            v = state.version[slot]
-            if v:
-                b = reader.block(slot)
-                if b is not None and b.version == v:
-                    blocks.append(b)
-        events: list[object] = [AllBlocksCleared()]
-        events.extend(stored_event(reader, [b]) for b in parents_first(blocks))
+        events = kv_events_state.announced_state(reader, state.version)
         return [
-            self._enc.encode(
-                EventBatch(
-                    ts=self._clock(),
-                    events=events[i : i + MAX_EVENTS_PER_BATCH],
-                    data_parallel_rank=self.dp_rank,
-                )
-            )
+            self._batch(events[i : i + MAX_EVENTS_PER_BATCH], True)
             for i in range(0, len(events), MAX_EVENTS_PER_BATCH)
         ]
 
