@@ -44,6 +44,8 @@ from kvsidecar.streams.kv_events_wire import (
     BlockStored,
     EventBatch,
     offset_endpoint_port,
+    signed_hashes,
+    uses_signed_hashes,
 )
 
 log = logging.getLogger("kvsidecar.kv_events")
@@ -161,6 +163,7 @@ class RankPublisher:
         self._clock = clock
         self._topic = options.topic.encode()
         self._enc = msgspec.msgpack.Encoder()
+        self._signed = uses_signed_hashes(name)  # SGLang's hash form
         self.reader: KVEventsReader | None = None
         self.dp_rank: int | None = None
         self.endpoint: str | None = None
@@ -409,9 +412,7 @@ class RankPublisher:
             if not chunk and not heartbeat:
                 return
             self.seq += 1
-            payload = self._enc.encode(
-                EventBatch(ts=self._clock(), events=chunk, data_parallel_rank=self.dp_rank)
-            )
+            payload = self._encode(chunk)
             seq = self.seq.to_bytes(8, "big")
             try:
                 pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK)
@@ -480,15 +481,17 @@ class RankPublisher:
         events: list[object] = [AllBlocksCleared()]
         events.extend(stored_event(reader, [b]) for b in parents_first(blocks))
         return [
-            self._enc.encode(
-                EventBatch(
-                    ts=self._clock(),
-                    events=events[i : i + MAX_EVENTS_PER_BATCH],
-                    data_parallel_rank=self.dp_rank,
-                )
-            )
+            self._encode(events[i : i + MAX_EVENTS_PER_BATCH])
             for i in range(0, len(events), MAX_EVENTS_PER_BATCH)
         ]
+
+    def _encode(self, events: list[object]) -> bytes:
+        """One EventBatch's payload, stamped now; SGLang's segments' hashes signed."""
+        if self._signed:
+            signed_hashes(events)
+        return self._enc.encode(
+            EventBatch(ts=self._clock(), events=events, data_parallel_rank=self.dp_rank)
+        )
 
 
 class KVEventsService:

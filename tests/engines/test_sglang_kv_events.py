@@ -1,0 +1,189 @@
+"""KV events from the sidecar against SGLang's own publisher, on the real SGLang 0.5.23 server.
+
+One server (CPU, dummy weights, pages of 16 tokens, 1,024 token slots) runs with BOTH
+streams: SGLang's own ZMQ publisher (``--kv-events-config``, the reference) and the agent's
+KV-event segment (``KVSIDECAR_KV_EVENTS=1``, the radix cache's recorder hooked by
+agent/engines/sglang_kv_events.py) published by ``kvsidecar serve --kv-events.*``. A
+prefix-heavy workload (three shared 96-token prefixes, a suffix per prompt) caches more than
+the pool holds, so the radix cache evicts; one ``/flush_cache`` resets it. Then:
+
+* both streams, decoded with SGLang's own msgspec classes (sglang_helpers/kv_decode.py in
+  the SGLang env), carry the same blocks with equal fields in the same order: each
+  BlockStored block (hash, parent, its page's token ids, block_size, lora_id, medium,
+  lora_name, cache_salt, session_id), each removed hash, each AllBlocksCleared. Compared
+  block by block: the documented differences (docs/kv-events.md) are batch boundaries,
+  how blocks group into events, and ``ts``; the hashes are SGLang's signed form on both;
+* a consumer applying the sidecar's stream (tests/support/kv_consumer.py, joined before
+  the workload) and one joining late hold exactly the hashes SGLang's stream says are
+  cached.
+
+One server start (20-90 s on a 2-core host).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+
+import pytest
+
+from kvsidecar.bench import fleet
+from kvsidecar.bench import sglang as sb
+from kvsidecar.bench import vllm as vb
+from tests.engines import sglang_server as ss
+from tests.engines.envs import ROOT, engine_python
+from tests.engines.test_vllm_kv_events import applied, kinds, replay, run_pumping
+from tests.support.kv_consumer import Consumer
+from tests.support.procs import wait_for
+
+pytestmark = pytest.mark.timeout(900)
+
+DECODE = ROOT / "tests" / "engines" / "sglang_helpers" / "kv_decode.py"
+PAGE = 16
+MAX_TOTAL = 1024  # 64 pages: the rounds below cache more, so the radix cache evicts
+PREFIX = 96  # six pages shared by many prompts
+
+
+def decode(python: str, payloads: list[bytes]) -> list[list]:
+    """The events of these batches, in order, as SGLang's own classes decode them."""
+    proc = subprocess.run(
+        [python, str(DECODE)],
+        input=json.dumps([p.hex() for p in payloads]),
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    batches = json.loads(proc.stdout.splitlines()[-1])["batches"]
+    return [event for _rank, events in batches for event in events]
+
+
+def per_block(events: list[list]) -> list[tuple]:
+    """The events one block at a time, every field SGLang's classes decode but the
+    grouping: ("stored", hash, parent, token ids, block_size, lora_id, medium, lora_name,
+    cache_salt, session_id), ("removed", hash, medium), ("cleared",)."""
+    out: list[tuple] = []
+    for kind, f in events:
+        if kind == "BlockStored":
+            n, parent = f["block_size"], f.get("parent_block_hash")
+            for i, h in enumerate(f["block_hashes"]):
+                tokens = f["token_ids"][i * n : (i + 1) * n]
+                rest = tuple(f.get(k) for k in ("lora_id", "medium", "lora_name"))
+                salt = (f.get("cache_salt"), f.get("session_id"))
+                out.append(("stored", h, parent, tokens, n, *rest, *salt))
+                parent = h
+        elif kind == "BlockRemoved":
+            out.extend(("removed", h, f.get("medium")) for h in f["block_hashes"])
+        else:
+            out.append(("cleared",))
+    return out
+
+
+def prompts(round_: int, n: int) -> list[list[int]]:
+    """Prefix-heavy: three shared 96-token prefixes, each prompt a 40-token suffix of its own."""
+    out = []
+    for i in range(n):
+        prefix = [(37 * (i % 3) + j) % 400 + 1 for j in range(PREFIX)]
+        out.append(prefix + [(11 * i + 7 * round_ + j) % 450 + 20 for j in range(40)])
+    return out
+
+
+def settled(python: str, sglang_replay: int, side_replay: int):
+    """Both streams, once the sidecar's carries as many blocks as SGLang's plus its first
+    AllBlocksCleared (it reads the segment every 10 ms): (SGLang's events, the sidecar's)."""
+    got: dict[str, list] = {}
+
+    def caught_up() -> bool:
+        theirs, ours = replay(sglang_replay), replay(side_replay)
+        if theirs is None or ours is None:
+            return False
+        got["sglang"], got["side"] = decode(python, theirs), decode(python, ours)
+        return len(per_block(got["side"])) >= len(per_block(got["sglang"])) + 1
+
+    assert wait_for(caught_up, 120, 1.0), {k: len(v) for k, v in got.items()}
+    return got["sglang"], got["side"]
+
+
+def test_sidecar_stream_equals_sglangs_own_publisher_and_its_consumers_hold_sglangs_blocks(
+    tmp_path,
+):
+    python = engine_python("sglang")
+    if (problem := ss.standin_problem(python)) is not None:
+        pytest.fail(problem)
+    shm = tmp_path / "shm"
+    shm.mkdir()
+    port, g_pub, g_replay, s_pub, s_replay = range(fleet.free_port_run(5), 0x10000)[:5]
+    kv_config = {
+        "publisher": "zmq",
+        "endpoint": f"tcp://*:{g_pub}",
+        "replay_endpoint": f"tcp://*:{g_replay}",
+        "topic": "sglang",
+    }
+    cmd = sb.server_command(python, ss.model_dir(tmp_path / "model"), port, MAX_TOTAL)
+    cmd[cmd.index("--page-size") + 1] = str(PAGE)
+    cmd += ["--kv-events-config", json.dumps(kv_config)]
+    daemon, _url = fleet.start_daemon(
+        str(shm),
+        "--kv-events.endpoint", f"tcp://127.0.0.1:{s_pub}",
+        "--kv-events.replay-endpoint", f"tcp://127.0.0.1:{s_replay}",
+        "--kv-events.topic", "kv@sidecar@tiny",
+        wait_for_source=False,
+        timeout=60,
+        stderr=open(tmp_path / "daemon.log", "wb"),
+    )  # fmt: skip
+    server = None
+    consumers: list[Consumer] = []
+    try:
+        env = sb.server_env(shm, KVSIDECAR_KV_EVENTS="1")
+        server = vb.start_server(cmd, env, tmp_path / "server.log", timeout=420)
+        assert wait_for(lambda: replay(s_replay, wait_s=2.0) is not None, 60, 0.5)
+        live = Consumer(s_pub, s_replay)
+        consumers.append(live)
+        live.join()
+
+        for round_ in range(4):
+            run_pumping(live, sb.generate, port, prompts(round_, 8), 8)
+            if round_ == 0:  # idle now: SGLang's flush resets the radix cache
+                ss.post(port, "/flush_cache", {})
+
+        theirs, ours = settled(python, g_replay, s_replay)
+        counts = kinds(theirs)
+        print("SGLang's events:", counts, "sidecar's:", kinds(ours))
+        a, b = per_block(theirs), per_block(ours)
+        stored = sum(1 for e in a if e[0] == "stored")
+        removed = sum(1 for e in a if e[0] == "removed")
+        assert stored >= 64 + 10 and removed >= 10, (stored, removed)  # evicted
+        assert ("cleared",) in a  # the flush
+        # The sidecar's first event is its state when it attached (empty); then, block by
+        # block, SGLang's stream: equal fields, the same order.
+        assert b[0] == ("cleared",)
+        for i, (x, y) in enumerate(zip(b[1:], a)):
+            assert x == y, (i, x, y)
+        assert b == [("cleared",), *a]
+        # SGLang's hash form (signed 64-bit) on both: about half the hashes are negative.
+        assert any(e[1] < 0 for e in a if e[0] == "stored")
+        truth = applied(theirs)
+        assert truth, "blocks stay cached after the workload"
+
+        def holds(consumer: Consumer, expected: set[int]) -> bool:
+            consumer.pump(0.3)
+            return consumer.held == expected
+
+        assert wait_for(lambda: holds(live, truth), 60, 0.1), live.held ^ truth
+        late = Consumer(s_pub, s_replay)
+        consumers.append(late)
+        late.join()
+        assert wait_for(lambda: holds(late, truth), 60, 0.1), late.held ^ truth
+    finally:
+        for c in consumers:
+            c.close()
+        if server is not None:
+            ss.stop(server)
+        daemon.send_signal(signal.SIGTERM)
+        try:
+            daemon.wait(10)
+        except subprocess.TimeoutExpired:
+            daemon.kill()
