@@ -1,11 +1,12 @@
 """SGLang's KV events, recorded into the KV-event segment instead of SGLang's own queue.
 
-SGLang 0.5.23's ``RadixCache`` reports its prefix-cache changes to a
-``KVCacheEventRecorder`` (``sglang/srt/mem_cache/events.py``), the object at
-``tree_cache.kv_events``: ``record_store(node)`` when ``_insert_helper`` adds a node,
-``record_remove(node)`` when ``evict`` deletes a leaf, ``record_all_cleared()`` from
-``reset`` (``flush_cache``). Without ``--kv-events-config`` that recorder is disabled and
-each call returns at once. `SGLangKVEvents` wraps the three calls on the recorder instance
+SGLang 0.5.23's radix caches report their prefix-cache changes to a
+``KVCacheEventRecorder`` (``sglang/srt/mem_cache/events.py``): ``RadixCache.kv_events``,
+and ``UnifiedRadixCache.tree_core.kv_events`` (the default tree, the one the tests run):
+``record_store(node)`` when an insert adds a node, ``record_remove(node)`` when eviction
+deletes one, ``record_all_cleared()`` from ``reset`` (``flush_cache``). Without
+``--kv-events-config`` that recorder is disabled and each call returns at once.
+`SGLangKVEvents` wraps the three calls on the recorder instance
 (SGLang's own call runs first, unchanged) and records what SGLang's enabled recorder would
 queue, computed with SGLang's own helpers of that recorder (the node's page hashes, the
 LoRA namespace seed, the parent link), so the hashes are SGLang's:
@@ -32,10 +33,10 @@ page hashes SGLang computes lazily for its own events (SHA-256 per page), which 
 enabled recorder computes too. Never raises into SGLang: an error logs once and closes
 the segment (the daemon then tells consumers to drop this rank's blocks).
 
-Not recorded (the recorder refuses to attach, and says so): a cache whose recorder is not
-SGLang's ``KVCacheEventRecorder`` (the Rust tree core's, the unified cache's), a
-hierarchical cache (its host-tier events carry other media); a store whose node holds
-bigram keys (EAGLE) or whose medium is not GPU stops the recording (logged).
+Not recorded: a cache whose recorder is not SGLang's Python ``KVCacheEventRecorder`` (the
+Rust tree core's: the agent logs why and records nothing); the events of other media than
+GPU (HiCache's host and storage tiers: skipped); a store whose node holds bigram keys
+(EAGLE) stops the recording (logged, the segment closed).
 """
 
 from __future__ import annotations
@@ -60,18 +61,26 @@ RECORDER_HOOKS = (
     "_parent_block_hash",
     "lora_names",
     "dynamo_format",
+    "page_size",
 )
+
+
+def event_recorder(tree: Any) -> Any:
+    """The tree cache's ``KVCacheEventRecorder``: ``RadixCache.kv_events``, or
+    ``UnifiedRadixCache.tree_core.kv_events`` (SGLang 0.5.23's default tree on CPU)."""
+    rec = getattr(tree, "kv_events", None)
+    if rec is None:
+        rec = getattr(getattr(tree, "tree_core", None), "kv_events", None)
+    return rec
 
 
 def unsupported(tree: Any) -> str | None:
     """Why this tree cache's events cannot be recorded, or None."""
-    if tree is None or getattr(tree, "disable", True):
+    if tree is None or getattr(tree, "disable", False):
         return "no radix cache (--disable-radix-cache)"
-    rec = getattr(tree, "kv_events", None)
+    rec = event_recorder(tree)
     if type(rec).__name__ != "KVCacheEventRecorder":
         return f"{type(tree).__name__}'s event recorder is {type(rec).__name__}"
-    if type(tree).__name__ != "RadixCache":
-        return f"{type(tree).__name__} (only SGLang's RadixCache is recorded)"
     for name in RECORDER_HOOKS:
         if not hasattr(rec, name):
             return f"KVCacheEventRecorder.{name} missing"
@@ -83,6 +92,11 @@ def slots_needed(pages: int) -> int:
     return pages + kvl.DEFAULT_RING_CAP
 
 
+def _gpu(medium: Any) -> bool:
+    """SGLang's default medium (None) is GPU; host and storage tiers are not recorded."""
+    return medium is None or str(getattr(medium, "value", medium)) == "GPU"
+
+
 class SGLangKVEvents:
     """Records one SGLang ``RadixCache``'s KV events into a `KVEventsRecorder`."""
 
@@ -90,8 +104,8 @@ class SGLangKVEvents:
         from sglang.srt.disaggregation.kv_events import namespaced_block_hash
         from sglang.srt.mem_cache.utils import hash_str_to_int64
 
-        self.sg = tree.kv_events
-        self.page = int(tree.page_size)
+        self.sg = event_recorder(tree)
+        self.page = int(self.sg.page_size)
         self.recorder = recorder
         self._ns_hash = namespaced_block_hash
         self._to_int = hash_str_to_int64
@@ -145,8 +159,6 @@ class SGLangKVEvents:
         return [ns(to_int(values[i]), namespace_seed=seed) for i in range(n_pages)], seed
 
     def stored(self, node: Any, medium: Any) -> None:
-        if medium is not None and str(getattr(medium, "value", medium)) != "GPU":
-            raise ValueError(f"medium {medium!r} (only GPU is recorded)")
         key = node.key
         if key.is_bigram:
             raise ValueError("bigram keys (EAGLE) are not recorded")
@@ -202,7 +214,7 @@ class SGLangKVEvents:
 
         def record_store(node: Any, medium: Any = None, *a: Any, **kw: Any) -> Any:
             ret = orig_store(node, medium, *a, **kw)
-            if ev.active:
+            if ev.active and _gpu(medium):
                 try:
                     ev.stored(node, medium)
                 except Exception as e:
@@ -211,7 +223,7 @@ class SGLangKVEvents:
 
         def record_remove(node: Any, medium: Any = None, *a: Any, **kw: Any) -> Any:
             ret = orig_remove(node, medium, *a, **kw)
-            if ev.active:
+            if ev.active and _gpu(medium):
                 try:
                     ev.removed(node)
                 except Exception as e:
