@@ -41,15 +41,10 @@ GPU (HiCache's host and storage tiers: skipped); a store whose node holds bigram
 
 from __future__ import annotations
 
-import logging
 from array import array
 from typing import Any
 
-from kvsidecar.agent.engines._patching import LogOnce
 from kvsidecar.protocol import kv_events_layout as kvl
-
-log = logging.getLogger("sglang.kvsidecar")
-_log_once = LogOnce(log)
 
 # The recorder's methods wrapped or used (SGLang 0.5.23); without any of them, no events.
 RECORDER_HOOKS = (
@@ -139,14 +134,10 @@ class SGLangKVEvents:
     # -- recording ----------------------------------------------------------------------
 
     def _fail(self, where: str, e: Exception) -> None:
-        _log_once(
-            f"kv_events.{where}",
-            "kvsidecar KV events stopped (engine unaffected): %s: %r",
-            where,
-            e,
-        )
+        # Never into SGLang, nor a wrong index left with consumers: the recorder logs and
+        # closes the segment (the daemon sends AllBlocksCleared); we stop recording.
         self.active = False
-        self.recorder.close()
+        self.recorder._fail(where, e)
 
     def _page_hashes(self, node: Any) -> tuple[list[int], Any]:
         """SGLang's published hash of each page of ``node`` (``record_store``'s), and the
