@@ -18,7 +18,12 @@ import msgspec
 
 from kvsidecar.protocol import kv_events_layout as kvl
 from kvsidecar.protocol.kv_events_reader import KVEventsReader
-from kvsidecar.streams.kv_events_wire import AllBlocksCleared, BlockStored, EventBatch
+from kvsidecar.streams.kv_events_wire import (
+    AllBlocksCleared,
+    BlockStored,
+    EventBatch,
+    signed_hash,
+)
 
 _enc = msgspec.msgpack.encode
 CLEARED = _enc(AllBlocksCleared())
@@ -93,8 +98,9 @@ class StoredEncoder:
     """Encodes one-block ``BlockStored`` events (as `kv_events_zmq.stored_event` makes
     them) from table rows, caching the pieces that depend only on the row's key."""
 
-    def __init__(self, reader: KVEventsReader) -> None:
+    def __init__(self, reader: KVEventsReader, signed: bool = False) -> None:
         self.reader = reader
+        self.signed = signed  # SGLang's hash form: 64-bit hashes as signed ints
         self._pieces: dict[tuple, tuple[bytes, bytes]] = {}
 
     def _cut(self, key: tuple) -> tuple[bytes, bytes]:
@@ -127,6 +133,9 @@ class StoredEncoder:
     def events(self, rows: Rows, order: Iterable[int]) -> list[bytes]:
         pieces, cut = self._pieces, self._cut
         hashes, parents, keys, tokens = rows.hashes, rows.parents, rows.keys, rows.tokens
+        if self.signed:
+            hashes = [signed_hash(h) for h in hashes]
+            parents = [None if p is None else signed_hash(p) for p in parents]
         out = []
         for i in order:
             key = keys[i]
@@ -167,7 +176,7 @@ def encode_batch(
     return enc.encode(EventBatch(ts=ts, events=raw, data_parallel_rank=dp_rank))  # type: ignore[arg-type]
 
 
-def full_state(reader: KVEventsReader) -> tuple[int, Rows, list[bytes]]:
+def full_state(reader: KVEventsReader, signed: bool = False) -> tuple[int, Rows, list[bytes]]:
     """(head loaded before the scan, the rows, CLEARED + a BlockStored per cached block,
     parents first): what a new writer incarnation's subscribers are sent."""
     head, _epoch, data = reader.cached_rows()
@@ -175,10 +184,12 @@ def full_state(reader: KVEventsReader) -> tuple[int, Rows, list[bytes]]:
     assert g is not None
     rows = Rows(data, g.slot_stride, g.block_size)
     order = parents_first_order(rows.hashes, rows.parents)
-    return head, rows, [CLEARED, *StoredEncoder(reader).events(rows, order)]
+    return head, rows, [CLEARED, *StoredEncoder(reader, signed).events(rows, order)]
 
 
-def announced_state(reader: KVEventsReader, announced: Sequence[int]) -> list[bytes]:
+def announced_state(
+    reader: KVEventsReader, announced: Sequence[int], signed: bool = False
+) -> list[bytes]:
     """CLEARED + a BlockStored per slot whose table entry still holds the version
     ``announced[slot]`` says was published (0: nothing), parents first: a replay's full
     state as of the last published sequence. Cached slots come from the bulk scan; an
@@ -207,4 +218,4 @@ def announced_state(reader: KVEventsReader, announced: Sequence[int]) -> list[by
     else:
         rows = Rows(b"".join(picked[s] for s in sorted(picked)), stride, g.block_size)
     order = parents_first_order(rows.hashes, rows.parents)
-    return [CLEARED, *StoredEncoder(reader).events(rows, order)]
+    return [CLEARED, *StoredEncoder(reader, signed).events(rows, order)]

@@ -45,6 +45,8 @@ from kvsidecar.streams.kv_events_wire import (
     BlockStored,
     EventBatch,
     offset_endpoint_port,
+    signed_hashes,
+    uses_signed_hashes,
 )
 
 log = logging.getLogger("kvsidecar.kv_events")
@@ -199,6 +201,7 @@ class RankPublisher:
         self._clock = clock
         self._topic = options.topic.encode()
         self._enc = msgspec.msgpack.Encoder()
+        self._signed = uses_signed_hashes(name)  # SGLang's hash form
         self.reader: KVEventsReader | None = None
         self.dp_rank: int | None = None
         self.endpoint: str | None = None
@@ -360,7 +363,7 @@ class RankPublisher:
 
     def _resync_full(self, reader: KVEventsReader) -> None:
         """A new writer incarnation: clear, then the whole table (parents first)."""
-        head, rows, events = kv_events_state.full_state(reader)
+        head, rows, events = kv_events_state.full_state(reader, signed=self._signed)
         state = self._state
         assert state is not None
         state.clear()
@@ -549,8 +552,12 @@ class RankPublisher:
             self._state_cache = (-1, [])
 
     def _batch(self, events: list, encoded: bool) -> bytes:
+        """One EventBatch's payload, stamped now; ``encoded``: the events are msgpack already
+        (their hashes in this segment's form); SGLang's segments' hashes go signed."""
         if encoded:
             return kv_events_state.encode_batch(self._enc, self._clock(), events, self.dp_rank)
+        if self._signed:
+            signed_hashes(events)
         return self._enc.encode(
             EventBatch(ts=self._clock(), events=events, data_parallel_rank=self.dp_rank)
         )
@@ -561,7 +568,7 @@ class RankPublisher:
         its removal follows live)."""
         reader, state = self.reader, self._state
         assert reader is not None and state is not None
-        events = kv_events_state.announced_state(reader, state.version)
+        events = kv_events_state.announced_state(reader, state.version, signed=self._signed)
         return [
             self._batch(events[i : i + MAX_EVENTS_PER_BATCH], True)
             for i in range(0, len(events), MAX_EVENTS_PER_BATCH)
