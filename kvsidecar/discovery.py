@@ -28,17 +28,22 @@ def iter_segments(
     """
     with os.scandir(shm_dir) as entries:
         for entry in entries:
-            name = entry.name
-            # Cheapest tests first: most names in a shared directory are not ours.
-            if not name.startswith(prefix) or name.startswith("."):
-                continue
-            if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
-                continue
-            try:
-                validate_name(name)
-            except InvalidName:
-                continue
-            yield name, entry.inode()
+            if segment_name(entry.name, prefix, pattern):
+                yield entry.name, entry.inode()
+
+
+def segment_name(name: str, prefix: str = "", pattern: str | None = None) -> bool:
+    """Whether a directory entry's name could be a segment's (see `iter_segments`)."""
+    # Cheapest tests first: most names in a shared directory are not ours.
+    if not name.startswith(prefix) or name.startswith("."):
+        return False
+    if pattern is not None and not fnmatch.fnmatchcase(name, pattern):
+        return False
+    try:
+        validate_name(name)
+    except InvalidName:
+        return False
+    return True
 
 
 def scan_segments(shm_dir: str, prefix: str = "", pattern: str | None = None) -> dict[str, int]:

@@ -214,7 +214,8 @@ GATEWAY_ROLE = _s(
     "GATEWAY_ROLE",
     "str",
     None,
-    "serve only segments of this role (prefill, decode, both) on the gateway",
+    "serve only segments of this role (prefill, decode, both) on the gateway; several, "
+    "comma-separated (prefill,decode): role i's dp_rank r on the gateway port + i * ranks + r",
     DAEMON,
     flag="--gateway.role",
 )
@@ -225,6 +226,15 @@ GATEWAY_MAX_CONNECTIONS = _s(
     "open gateway connections, all listeners together; at the cap the one idle longest makes room",
     DAEMON,
     flag="--gateway.max-connections",
+)
+GATEWAY_WEB_CONFIG_FILE = _s(
+    "GATEWAY_WEB_CONFIG_FILE",
+    "path",
+    None,
+    "TLS and client certificates on the gateway listeners: a web config file (exporter-toolkit "
+    "format) with only tls_server_config, reloaded as --web.config.file is",
+    DAEMON,
+    flag="--gateway.web-config-file",
 )
 GATEWAY_STALE_AFTER = _s(
     "GATEWAY_STALE_AFTER",
@@ -278,6 +288,33 @@ KV_EVENTS_POLL_INTERVAL = _s(
     "seconds between reads of a KV-event segment (one batch per read)",
     DAEMON,
     flag="--kv-events.poll-interval",
+)
+# -- the load push (kvsidecar/streams/load_push.py, docs/load-push.md; kvsidecar[kvevents]) ----
+LOAD_PUSH_ENDPOINT = _s(
+    "LOAD_PUSH_ENDPOINT",
+    "str",
+    None,
+    "publish every engine's load as SGLang's `LoadStat` ZMQ stream (`--load-publish-endpoint`'s "
+    "wire): a PUB per DP rank r on this endpoint's port + r (e.g. `tcp://*:5560`; off when unset)",
+    DAEMON,
+    flag="--load-push.endpoint",
+)
+LOAD_PUSH_ROLE = _s(
+    "LOAD_PUSH_ROLE",
+    "str",
+    None,
+    "push only segments of this role (prefill, decode, both)",
+    DAEMON,
+    flag="--load-push.role",
+)
+LOAD_PUSH_POLL_INTERVAL = _s(
+    "LOAD_PUSH_POLL_INTERVAL",
+    "float",
+    0.005,
+    "seconds between reads of each rank's segment; a LoadStat whose values changed goes out "
+    "at the read that sees it, an unchanged one once a second",
+    DAEMON,
+    flag="--load-push.poll-interval",
 )
 # -- OTLP push (kvsidecar/otlp/, docs/otlp.md; needs the kvsidecar[otlp] extra) ----------------
 OTLP_ENDPOINT = _s(

@@ -75,9 +75,12 @@ class SGLangPoolSource:
         kvcache: Any | None = None,
         pool_name: str | None = None,
         group_id: int = 0,
+        kv_events: bool = True,
     ) -> None:
         self._allocator = allocator
         self._tree = tree_cache
+        self._kv_events_rank = kv_events  # the rank whose radix cache SGLang would publish
+        self.kv_events: Any = None  # attach_kv_events
         page = int(allocator.page_size)
         self._page = page
         self._max_total = int(max_total_num_tokens or allocator.size)
@@ -109,6 +112,27 @@ class SGLangPoolSource:
             prefix_hit_tokens_total=0,
         )
         self.snapshot()
+
+    # KV events (KVSIDECAR_KV_EVENTS=1): the agent sizes the segment from these, then
+    # attaches; agent/engines/sglang_kv_events.py records the radix cache's events.
+    @property
+    def block_size(self) -> int:
+        return self._page
+
+    @property
+    def kv_event_slots(self) -> int:
+        from kvsidecar.agent.engines import sglang_kv_events as ske
+
+        why = "not SGLang's publishing rank" if not self._kv_events_rank else None
+        why = why or ske.unsupported(self._tree)
+        if why is not None:
+            raise ValueError(why)
+        return ske.slots_needed(self._max_total // self._page + 1)
+
+    def attach_kv_events(self, recorder: Any) -> None:
+        from kvsidecar.agent.engines.sglang_kv_events import SGLangKVEvents
+
+        self.kv_events = SGLangKVEvents(self._tree, recorder, self.kv_event_slots)
 
     def snapshot(self) -> KVCachePoolSnapshot:
         # O(1): SGLang keeps all three as counters (len of a tensor, two ints).
@@ -197,6 +221,8 @@ class SGLangSidecar:
                 scheduler.token_to_kv_pool_allocator,
                 scheduler.tree_cache,
                 max_total_num_tokens=scheduler.max_total_num_tokens,
+                # SGLang publishes from pp rank 0, attention-TP rank 0 (one per KV cache).
+                kv_events=not any(getattr(scheduler, r, 0) for r in ("tp_rank", "pp_rank")),
             )
             registered = agent.register_pool(source)
         except Exception:

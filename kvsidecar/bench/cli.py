@@ -771,6 +771,23 @@ def cost_cmd(
     report.write_json(out, "cost", r)
 
 
+@bench.command(name="loadpush")
+@quick_option
+@out_option
+def loadpush_cmd(quick: bool, out: str) -> None:
+    """The load push (SGLang's LoadStat stream) against a picker polling at 50 ms."""
+    from kvsidecar.bench import loadpush
+
+    r = loadpush.run(quick=quick)
+    if r.get("skipped"):
+        click.echo(f"bench loadpush: {r['skipped']}")
+        return
+    report.print_table(
+        f"load push ({r['seconds']:g} s a condition)", loadpush.HEADERS, loadpush.rows(r)
+    )
+    report.write_json(out, "loadpush", r)
+
+
 @bench.command(name="gateway")
 @quick_option
 @out_option
@@ -787,3 +804,43 @@ def gateway_cmd(quick: bool, out: str, with_vllm: bool = False) -> None:
     if (v := r.get("vllm")) and "skipped" in v:
         click.echo(f"bench gateway --vllm: {v['skipped']}")
     report.write_json(out, "gateway", r)
+
+
+@bench.command(name="kvevents")
+@quick_option
+@out_option
+@click.option(
+    "--vllm", "with_vllm", is_flag=True, help="Also the real vLLM server (needs its env)."
+)
+@click.option("--rounds", type=int, help="Interleaved rounds (default 10, quick 3).")
+@click.option("--steps", type=int, help="Engine steps a round (default 600, quick 150).")
+@click.option(
+    "--snapshot-blocks",
+    type=int,
+    multiple=True,
+    help="Table sizes for the snapshot timing (default 100000 and 1000000, quick 100000).",
+)
+def kvevents_cmd(
+    quick: bool,
+    out: str,
+    with_vllm: bool = False,
+    rounds: int | None = None,
+    steps: int | None = None,
+    snapshot_blocks: tuple[int, ...] = (),
+) -> None:
+    """KV events: the engine's CPU, syscalls and throughput with its own publisher vs
+    kvsidecar vs none, stalled subscribers, the daemon, the full-state snapshot (#42)."""
+    from kvsidecar.bench import kvevents
+
+    r = kvevents.run(
+        quick=quick,
+        vllm=with_vllm,
+        rounds=rounds,
+        steps=steps,
+        snapshot_blocks=snapshot_blocks or None,
+    )
+    for table in kvevents.tables(r):
+        report.print_table(*table)
+    if (v := r.get("vllm")) and "skipped" in v:
+        click.echo(f"bench kvevents --vllm: {v['skipped']}")
+    report.write_json(out, "kvevents", r)

@@ -376,4 +376,12 @@ def ls(
         click.echo(
             f"{printable(name):<{w}} {'refused':<10} {'-':>8} {'-':>4} {size:>8}  {printable(why)}"
         )
+    # What a --gateway.listen-address listener would answer 503 for (docs/gateway.md).
+    from kvsidecar.daemon.gateway_ranks import rank_problems
+
+    problems = rank_problems(views)
+    if problems:
+        click.echo("\nGATEWAY (ranks a gateway listener would answer 503)")
+        for line in problems:
+            click.echo(line)
     sys.exit(_exit_code(views))

@@ -53,6 +53,19 @@ def _gateway_address(value: str | None) -> tuple[str, int] | None:
         raise click.BadParameter(str(e)) from None
 
 
+def _gateway_roles(value: str | None) -> tuple[str, ...]:
+    """`prefill,decode` -> ("prefill", "decode"); a role twice or unknown is a usage error."""
+    if not value:
+        return ()
+    roles = tuple(r.strip() for r in value.split(","))
+    for r in roles:
+        if r not in GATEWAY_ROLES:
+            raise click.BadParameter(f"{r!r} is not one of {', '.join(GATEWAY_ROLES)}")
+    if len(set(roles)) != len(roles):
+        raise click.BadParameter(f"{value!r} names a role twice")
+    return roles
+
+
 def _telemetry_path(value: str) -> str:
     """A bad path is a usage error naming the option, not "cannot listen"."""
     from kvsidecar.daemon.endpoints import telemetry_path_problem
@@ -182,11 +195,15 @@ def _telemetry_path(value: str) -> str:
 )
 @click.option(
     "--gateway.role",
-    "gateway_role",
-    type=click.Choice(GATEWAY_ROLES),
+    "gateway_roles",
     default=settings.GATEWAY_ROLE.default,
     envvar=settings.GATEWAY_ROLE.name,
-    help="Serve only segments of this role on the gateway (default: any).",
+    callback=lambda ctx, param, value: _gateway_roles(value),
+    help=(
+        "Serve only segments of this role on the gateway (default: any); several, "
+        "comma-separated (prefill,decode), give each role its own listeners: role i's "
+        "dp_rank r on the port + i * --gateway.ranks + r."
+    ),
 )
 @click.option(
     "--gateway.max-connections",
@@ -196,6 +213,17 @@ def _telemetry_path(value: str) -> str:
     show_default=True,
     envvar=settings.GATEWAY_MAX_CONNECTIONS.name,
     help="Open gateway connections, all listeners together; the idlest makes room at the cap.",
+)
+@click.option(
+    "--gateway.web-config-file",
+    "gateway_web_config_file",
+    type=click.Path(dir_okay=False),
+    default=settings.GATEWAY_WEB_CONFIG_FILE.default,
+    envvar=settings.GATEWAY_WEB_CONFIG_FILE.name,
+    help=(
+        "Serve the gateway over TLS (client certificates optional): a web config file with "
+        "only tls_server_config, re-read on change and on SIGHUP (docs/gateway.md)."
+    ),
 )
 @click.option(
     "--gateway.stale-after",
@@ -252,6 +280,34 @@ def _telemetry_path(value: str) -> str:
     default=settings.KV_EVENTS_POLL_INTERVAL.default,
     show_default=True,
     help="Seconds between reads of a KV-event segment (one batch per read).",
+)
+@click.option(
+    "--load-push.endpoint",
+    "load_push_endpoint",
+    envvar=settings.LOAD_PUSH_ENDPOINT.name,
+    default=settings.LOAD_PUSH_ENDPOINT.default,
+    help=(
+        "Publish every engine's load on SGLang's LoadStat ZMQ wire (--load-publish-endpoint), "
+        "a PUB per DP rank r on this endpoint's port + r, e.g. tcp://*:5560 "
+        "(docs/load-push.md; needs kvsidecar[kvevents]). Off when unset."
+    ),
+)
+@click.option(
+    "--load-push.role",
+    "load_push_role",
+    type=click.Choice(GATEWAY_ROLES),
+    envvar=settings.LOAD_PUSH_ROLE.name,
+    default=settings.LOAD_PUSH_ROLE.default,
+    help="Push only segments of this role (default: any).",
+)
+@click.option(
+    "--load-push.poll-interval",
+    "load_push_poll_interval",
+    type=click.FloatRange(0.001, 1),
+    envvar=settings.LOAD_PUSH_POLL_INTERVAL.name,
+    default=settings.LOAD_PUSH_POLL_INTERVAL.default,
+    show_default=True,
+    help="Seconds between reads of each rank (a changed LoadStat is sent at the read).",
 )
 @trust_options
 @click.option(
@@ -367,6 +423,11 @@ def serve(**options: Any) -> None:
     run(serve_config(o), log_level, log_format)
 
 
+def _group(o: dict[str, Any], prefix: str) -> dict[str, Any]:
+    """The options named ``prefix...``, taken out of `o`, by their record's field names."""
+    return {k.removeprefix(prefix): o.pop(k) for k in [k for k in o if k.startswith(prefix)]}
+
+
 def serve_config(o: dict[str, Any]) -> ServeConfig:
     """The flags (their click names), dealt once into the daemon's records
     (daemon/config.py); `o` is emptied, and a flag no record takes is an error."""
@@ -375,19 +436,16 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
         Discovery,
         GatewayOptions,
         KVEventsOptions,
+        LoadPushOptions,
         Polling,
         ServeConfig,
         WebOptions,
     )
 
-    # --gateway.* -> GatewayOptions' fields by name (gateway_ranks -> ranks)
-    gateway = {
-        k.removeprefix("gateway_"): o.pop(k) for k in [k for k in o if k.startswith("gateway_")]
-    }
-    # --kv-events.* -> KVEventsOptions' fields by name (kv_events_topic -> topic)
-    kv_events = {
-        k.removeprefix("kv_events_"): o.pop(k) for k in [k for k in o if k.startswith("kv_events_")]
-    }
+    # --gateway.* -> GatewayOptions' fields by name (gateway_ranks -> ranks), and so on
+    gateway = _group(o, "gateway_")
+    kv_events = _group(o, "kv_events_")
+    load_push = _group(o, "load_push_")
     rediscover_interval = o.pop("rediscover_interval")
     config = ServeConfig(
         discovery=Discovery(
@@ -420,6 +478,7 @@ def serve_config(o: dict[str, Any]) -> ServeConfig:
         ),
         gateway=None if gateway["address"] is None else GatewayOptions(**gateway),
         kv_events=None if kv_events["endpoint"] is None else KVEventsOptions(**kv_events),
+        load_push=None if load_push["endpoint"] is None else LoadPushOptions(**load_push),
         max_new_targets=o.pop("max_new_targets"),
         new_target_interval=o.pop("new_target_interval"),
         otlp={k: o.pop(k) for k in [k for k in o if k.startswith("otlp_")]},  # otlp/options.py

@@ -94,6 +94,7 @@ class Daemon:
         self._ready_cache: tuple[tuple, tuple[bool, str]] | None = None
         # The gateway's PollServer, when --gateway.listen-address is set: its counts only.
         self.gateway_server: Any = None
+        self.load_push: Any = None  # kvsidecar/streams/load_push.py, while --load-push is on
         # The OTLP Pusher, when --otlp.endpoint is set: its drop counts only.
         self.otlp_pusher: Any = None
         self._render_lock = threading.Lock()
@@ -130,8 +131,8 @@ class Daemon:
         per poll cycle, so a stream of probes costs a lookup each (it kept the check busy
         for half a core and /metrics waited behind it)."""
         t = self.targets
-        gateway = getattr(self.gateway_server, "gateway", None)
-        transitions = gateway.transitions if gateway is not None else 0
+        gateways = getattr(self.gateway_server, "gateways", ())
+        transitions = sum(g.transitions for g in gateways)
         key = (t.version, t.polls_total, t.refused_count, t.waiting, t.discovery_error)
         key += (transitions,)
         cached = self._ready_cache
@@ -160,10 +161,13 @@ class Daemon:
         summary = summary or "no segments"
         if self.targets.waiting:  # their names are in no series yet: say how many
             summary += f"; {self.targets.waiting} new segment(s) waiting for admission"
-        gateway = getattr(self.gateway_server, "gateway", None)
-        failing = gateway.not_ok() if gateway is not None else {}
+        failing = {
+            rank: o
+            for g in getattr(self.gateway_server, "gateways", ())
+            for rank, o in g.not_ok().items()
+        }
         if failing:  # still 200: the picker sees its 503s; an operator sees them here
-            ranks = ", ".join(f"dp_rank {r} {o}" for r, o in failing.items())
+            ranks = ", ".join(f"{r} {o}" for r, o in failing.items())
             summary += f"; gateway answering 503 for {ranks}"
         if self.targets.discovery_error:
             # Still 200 (the sidecar's readiness gates the Pod), but never silent.
@@ -218,6 +222,10 @@ class Daemon:
             "waiting": self.targets.waiting,
             "gateway": _gateway_stats(self.gateway_server),
             "otlp": self.otlp_pusher.dropped() if self.otlp_pusher is not None else None,
+            "otlp_exported": (
+                self.otlp_pusher.stats["exported"] if self.otlp_pusher is not None else None
+            ),
+            "load_push": self.load_push.counts() if self.load_push is not None else None,
         }
 
     def _http_stats(self) -> dict[str, Any]:
@@ -234,11 +242,11 @@ class Daemon:
 def _gateway_stats(server: Any) -> dict[str, Any] | None:
     if server is None:
         return None
-    gateway = getattr(server, "gateway", None)
-    answers: dict = {}
-    if gateway is not None:
+    answers: dict = {}  # (role, dp_rank, outcome) -> n
+    for gateway in getattr(server, "gateways", ()):
         with gateway._lock:
-            answers = dict(gateway.answers)
+            counts = dict(gateway.answers)
+        answers.update({(gateway.label, *key): n for key, n in counts.items()})
     return {
         "requests": dict(server.requests),
         "closed": dict(server.closed),

@@ -258,11 +258,20 @@ class SnapshotCollector:
             yield unremembered
             if stats.get("gateway") is not None:
                 yield from _gateway_families(stats["gateway"])
+            if stats.get("load_push") is not None:  # {(dp_rank, reason): n}, while on
+                sent = _family(md.LOAD_PUSH_MESSAGES_TOTAL, ("dp_rank", "reason"))
+                for (rank, reason), n in sorted(stats["load_push"].items()):
+                    sent.add_metric([str(rank), reason], n)
+                yield sent
             if stats.get("otlp") is not None:  # {reason: n}, only while the push is on
                 dropped = _family(md.OTLP_DROPPED_BATCHES_TOTAL, ("reason",))
                 for reason, n in sorted(stats["otlp"].items()):
                     dropped.add_metric([reason], n)
                 yield dropped
+            if stats.get("otlp_exported") is not None:
+                exported = _family(md.OTLP_EXPORTED_BATCHES_TOTAL, ())
+                exported.add_metric([], stats["otlp_exported"])
+                yield exported
         if self._http_stats is not None:
             yield from _http_families(self._http_stats())
 
@@ -335,9 +344,9 @@ def _gateway_families(stats: dict) -> Iterator[Metric]:
     closed = _family(md.GATEWAY_CONNECTIONS_CLOSED_TOTAL, ("reason",))
     for reason, n in sorted(stats["closed"].items()):
         closed.add_metric([reason], n)
-    answers = _family(md.GATEWAY_ANSWERS_TOTAL, ("dp_rank", "outcome"))
-    for (rank, outcome), n in sorted(stats.get("answers", {}).items()):
-        answers.add_metric([str(rank), outcome], n)
+    answers = _family(md.GATEWAY_ANSWERS_TOTAL, ("dp_rank", "outcome", "role"))
+    for (role, rank, outcome), n in sorted(stats.get("answers", {}).items()):
+        answers.add_metric([str(rank), outcome, role], n)
     yield from (req, conns, closed, answers)
 
 

@@ -78,10 +78,15 @@ class GatewayOptions:
 
     address: tuple[str, int]
     ranks: int = 1
-    role: str | None = None
+    # Roles served, each on listeners of its own (port + i * ranks + dp_rank for role i);
+    # empty: one set of listeners serving any role.
+    roles: tuple[str, ...] = ()
     max_connections: int = 256
     # Seconds without progress after which a rank is answered 503 (docs/gateway.md).
     stale_after: float = GATEWAY_STALE_AFTER.default
+    # TLS on the gateway listeners: a web config file holding only tls_server_config
+    # (kvsidecar/web/poll_tls.py); None: plain HTTP.
+    web_config_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,19 @@ class KVEventsOptions:
 
 
 @dataclass(frozen=True)
+class LoadPushOptions:
+    """The load push (`--load-push.*`; docs/load-push.md, kvsidecar/streams/load_push.py):
+    SGLang's LoadStat wire, DP rank r on the endpoint's port + r."""
+
+    endpoint: str
+    role: str | None = None
+    poll_interval: float = 0.005
+    heartbeat: float = 1.0  # an unchanged LoadStat is re-sent this often (SGLang: 1 s)
+    hwm: int = 8  # SGLang's LOAD_PUB_HWM: a gauge, the next one supersedes a shed one
+    stale_after: float = GATEWAY_STALE_AFTER.default  # no progress this long: nothing sent
+
+
+@dataclass(frozen=True)
 class ServeConfig:
     """Everything `kvsidecar serve` was told, in records (daemon/run.py wires them)."""
 
@@ -110,5 +128,6 @@ class ServeConfig:
     new_target_interval: float  # and the seconds per further new name
     otlp: dict[str, Any] = field(default_factory=dict)  # --otlp.* (kvsidecar/otlp/options.py)
     kv_events: KVEventsOptions | None = None  # None: off
+    load_push: LoadPushOptions | None = None  # None: off
     hold_on_error: bool = False
     allow_root: bool = False

@@ -2,7 +2,10 @@
 
 A picker polls each endpoint (one per data-parallel rank: one InferencePool target port per
 rank) every 50 ms. Each listener here answers for one DP rank of the pod's engine: listener
-``i`` serves the segment whose ``dp_rank`` is ``i`` (optionally only of one ``role``).
+``i`` serves the segment whose ``dp_rank`` is ``i`` (optionally only of one ``role``). With
+several roles (``--gateway.role prefill,decode``: both roles of a P/D pod, one daemon), role
+``j`` has listeners of its own, dp_rank ``i`` on the base port + ``j * ranks + i``, each
+answered by a `Gateway` of that role.
 
 Fresh: the value served is the engine's latest published step when the request arrived,
 never a cached poll cycle. A poll whose rank was fully checked less than `FULL_CHECK_EVERY`
@@ -37,6 +40,7 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from kvsidecar.daemon.config import GatewayOptions
 from kvsidecar.daemon.gateway_body import CONTENT_TYPE, render, timeless
@@ -49,7 +53,18 @@ from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS, GATEWAY_STALE_AFTER
 from kvsidecar.web.poll_server import FastSlot, PollServer, Route
 from kvsidecar.web.sockets import bind
 
-__all__ = ["METRICS_PATH", "OUTCOMES", "Gateway", "GatewayListenError", "start_gateway"]
+if TYPE_CHECKING:
+    from kvsidecar.web.poll_tls import PollTLS
+
+__all__ = [
+    "ANY_ROLE",
+    "METRICS_PATH",
+    "OUTCOMES",
+    "Gateway",
+    "GatewayListenError",
+    "listener_port",
+    "start_gateway",
+]
 
 log = logging.getLogger(__name__)
 
@@ -58,6 +73,7 @@ _TEXT = "text/plain; charset=utf-8"
 # Why a poll got its answer: a fixed set, the `outcome` label of
 # kvsidecar_gateway_answers_total (never a value a client or a writer chooses).
 OK = "ok"
+ANY_ROLE = "any"  # the `role` label of listeners that serve segments of any role
 OUTCOMES = (
     OK,
     "no_segment",  # no segment claims the rank (the engine's agent is not running)
@@ -95,6 +111,8 @@ class Gateway:
     ) -> None:
         self.targets = targets
         self.role = role
+        self.label = role or ANY_ROLE  # the `role` label of its answers
+        self._who = f"{role} " if role else ""  # in log lines and /-/ready
         self.stale_after = stale_after
         self._version = -1
         self._by_rank: dict[int, list[Target]] = {}
@@ -167,9 +185,14 @@ class Gateway:
             self._transition(dp_rank, last, outcome, answer[1])
         return answer
 
-    def not_ok(self) -> dict[int, str]:
-        """The ranks whose last poll was not answered 200, and why (their outcome)."""
-        return {r: o for r, (o, _) in sorted(self.last_outcome.items()) if o != OK}
+    def not_ok(self) -> dict[str, str]:
+        """The ranks whose last poll was not answered 200 (as `/-/ready` names them: with
+        the role when the listener serves one), and why (their outcome)."""
+        return {
+            f"{self._who}dp_rank {r}": o
+            for r, (o, _) in sorted(self.last_outcome.items())
+            if o != OK
+        }
 
     def _count(self, dp_rank: int, outcome: str) -> None:
         key = (dp_rank, outcome)
@@ -183,9 +206,13 @@ class Gateway:
         self.last_outcome[dp_rank] = (outcome, why)
         self.transitions += 1
         if outcome != OK:
-            log.warning("gateway dp_rank %d: answering 503 (%s): %s", dp_rank, outcome, why)
+            log.warning(
+                "gateway %sdp_rank %d: answering 503 (%s): %s", self._who, dp_rank, outcome, why
+            )
         elif last is not None:
-            log.info("gateway dp_rank %d: answering 200 again (was %s)", dp_rank, last[0])
+            log.info(
+                "gateway %sdp_rank %d: answering 200 again (was %s)", self._who, dp_rank, last[0]
+            )
 
     @staticmethod
     def _published_seq(mm: mmap.mmap) -> int | None:
@@ -284,35 +311,54 @@ class GatewayListenError(Exception):
     """A gateway listener could not be bound; the message names the address and the fix."""
 
 
-def start_gateway(targets: TargetSet, options: GatewayOptions) -> PollServer:
+def listener_port(port: int, ranks: int, role_index: int, dp_rank: int) -> int:
+    """Role `role_index`'s listener for `dp_rank`: the base port + role_index * ranks +
+    dp_rank (0: any free port)."""
+    return port + role_index * ranks + dp_rank if port else 0
+
+
+def start_gateway(
+    targets: TargetSet, options: GatewayOptions, tls: PollTLS | None = None
+) -> PollServer:
     """Bind one listener per DP rank (port, port + 1, ...) and serve them on a thread of
-    their own. Port 0 binds the first on any free port and the others on free ports too."""
+    their own, over TLS when `tls` is given (`--gateway.web-config-file`). Port 0 binds the
+    first on any free port and the others on free ports too."""
     (host, port), ranks = options.address, options.ranks
+    roles: tuple[str | None, ...] = options.roles or (None,)
     socks: list[socket.socket] = []
     try:
-        for rank in range(ranks):
-            try:
-                socks.append(bind(host, port + rank if port else 0))
-            except OSError as e:
-                why = e.strerror or str(e)
-                if e.errno == errno.EADDRINUSE:
-                    why = "port in use by another process"
-                shown = f"[{host}]" if ":" in host else host
-                raise GatewayListenError(
-                    f"cannot listen on {shown}:{port + rank} for the gateway's dp_rank {rank}: "
-                    f"{why}: pass --gateway.listen-address ({GATEWAY_LISTEN_ADDRESS.name}) "
-                    f"with a base port whose next {ranks} ports are free"
-                ) from None
+        for i, role in enumerate(roles):
+            for rank in range(ranks):
+                at = listener_port(port, ranks, i, rank)
+                try:
+                    socks.append(bind(host, at))
+                except OSError as e:
+                    why = e.strerror or str(e)
+                    if e.errno == errno.EADDRINUSE:
+                        why = "port in use by another process"
+                    shown = f"[{host}]" if ":" in host else host
+                    whose = f"{role} " if role else ""
+                    raise GatewayListenError(
+                        f"cannot listen on {shown}:{at} for the gateway's {whose}dp_rank "
+                        f"{rank}: {why}: pass --gateway.listen-address "
+                        f"({GATEWAY_LISTEN_ADDRESS.name}) with a base port whose next "
+                        f"{len(roles) * ranks} ports are free"
+                    ) from None
     except GatewayListenError:
         for s in socks:
             s.close()
         raise
-    gateway = Gateway(targets, role=options.role, stale_after=options.stale_after)
+    gateways = [Gateway(targets, role=role, stale_after=options.stale_after) for role in roles]
     server = PollServer(
-        list(zip(socks, gateway.routes(ranks))),
+        list(zip(socks, [route for g in gateways for route in g.routes(ranks)])),
         max_connections=options.max_connections,
         name="kvsidecar-gateway",
+        tls=tls,
     )
-    server.gateway = gateway  # type: ignore[attr-defined]  # its answers, for the collector
+    # Their answers, for the collector and /-/ready; and which listener serves what.
+    server.gateways = gateways  # type: ignore[attr-defined]
+    server.served = [  # type: ignore[attr-defined]
+        f"{g._who}dp_rank {r}" for g in gateways for r in range(ranks)
+    ]
     server.start()
     return server

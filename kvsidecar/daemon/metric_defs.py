@@ -771,8 +771,9 @@ GATEWAY_ANSWERS_TOTAL = MetricDef(
     "kvsidecar_gateway_answers_total",
     COUNTER,
     "answers",
-    "Gateway polls by rank (dp_rank: the listener, fixed by --gateway.ranks) and outcome: "
-    "ok (200), no_segment, ambiguous, not_fresh, not_up (503), not_found (404).",
+    "Gateway polls by rank (dp_rank: the listener, fixed by --gateway.ranks), outcome (ok "
+    "200; no_segment, ambiguous, not_fresh, not_up 503; not_found 404) and role (the "
+    "listener's --gateway.role, any without one).",
     more="A fixed set of outcomes, never a value a client or a writer chooses. A change of "
     "a rank's outcome is logged once (a 503 streak at its start, with its reason, and its "
     "end), and `/-/ready` names the ranks whose last poll got a 503.",
@@ -829,6 +830,24 @@ OTLP_DROPPED_BATCHES_TOTAL = MetricDef(
     more="docs/otlp.md. queue_full: the collector was slow or unreachable; send_failed: "
     "refused, timed out, TLS or HTTP error.",
 )
+OTLP_EXPORTED_BATCHES_TOTAL = MetricDef(
+    "kvsidecar_otlp_exported_batches_total",
+    COUNTER,
+    "batches",
+    "OTLP push batches the collector accepted (--otlp.endpoint). Flat while the push is on: "
+    "every push fails or the push stopped (alert KvsidecarOtlpPushFailing). No series while "
+    "the push is off.",
+)
+LOAD_PUSH_MESSAGES_TOTAL = MetricDef(
+    "kvsidecar_load_push_messages_total",
+    COUNTER,
+    "messages",
+    "LoadStat messages the load push sent (--load-push.endpoint), by rank (dp_rank: its "
+    "socket, port + dp_rank) and reason: changed = a step changed the values, resent = the "
+    "last one again after a second. No series while the push is off.",
+    more="docs/load-push.md. A rank that stops counting is not up, not fresh, or claimed "
+    "by two segments: the log says which, once.",
+)
 DAEMON: tuple[MetricDef, ...] = (
     REFUSED_SEGMENTS,
     SEGMENT_REFUSALS_TOTAL,
@@ -848,6 +867,8 @@ DAEMON: tuple[MetricDef, ...] = (
     TARGETS_WAITING,
     REFUSED_SEGMENTS_UNREMEMBERED,
     OTLP_DROPPED_BATCHES_TOTAL,
+    OTLP_EXPORTED_BATCHES_TOTAL,
+    LOAD_PUSH_MESSAGES_TOTAL,
 )
 
 ALL: tuple[MetricDef, ...] = (*RUNTIME, ENGINE_INFO, *POOL, *POOL_DERIVED, *DP, *SOURCE, *DAEMON)

@@ -196,8 +196,9 @@ class Refusals:
             self._pending_example = f"{name}: {message or self.message(name, reason, uid)}"
 
     def forget(self, name: str) -> None:
-        """A refused file became a target."""
+        """A refused file became a target, or its file is gone."""
         self.entries.pop(name, None)
+        self.messages.pop(name, None)
 
     def forget_unlisted(self) -> None:
         """After a listing: forget the refusals it did not mark (their files are gone)."""

@@ -113,10 +113,16 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
     gateway = None
     if config.gateway is not None:
         from kvsidecar.daemon.gateway import GatewayListenError, start_gateway
+        from kvsidecar.web.poll_tls import PollTLS
 
         try:
-            gateway = start_gateway(targets, config.gateway)
-        except GatewayListenError as e:
+            gateway_tls = (
+                PollTLS.load(config.gateway.web_config_file)
+                if config.gateway.web_config_file
+                else None
+            )
+            gateway = start_gateway(targets, config.gateway, gateway_tls)
+        except (GatewayListenError, WebConfigError) as e:
             _start_error(str(e))
             _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
         daemon.gateway_server = gateway
@@ -147,24 +153,29 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
         if gateway is not None:
             gateway.shutdown()
         _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-    kv_events = None
-    if config.kv_events is not None:
-        try:
+    # The streams (kvsidecar/streams/, pyzmq: the kvsidecar[kvevents] extra).
+    kv_events = load_push = None
+    try:
+        if config.kv_events is not None:
             from kvsidecar.streams.kv_events_zmq import KVEventsService
-        except ImportError as e:
-            _start_error(
-                f"--kv-events.endpoint needs pyzmq ({e}): pip install 'kvsidecar[kvevents]'"
+
+            kv_events = KVEventsService(
+                config.kv_events,
+                discovery.shm_dir,
+                allowed_uids=discovery.allowed_uids,
+                rediscover_interval=discovery.rediscover_interval,
             )
-            if gateway is not None:
-                gateway.shutdown()
-            server.shutdown()
-            _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
-        kv_events = KVEventsService(
-            config.kv_events,
-            discovery.shm_dir,
-            allowed_uids=discovery.allowed_uids,
-            rediscover_interval=discovery.rediscover_interval,
-        )
+        if config.load_push is not None:
+            from kvsidecar.streams.load_push import LoadPushService
+
+            load_push = daemon.load_push = LoadPushService(targets, config.load_push)
+    except ImportError as e:
+        flag = "--kv-events.endpoint" if config.kv_events is not None else "--load-push.endpoint"
+        _start_error(f"{flag} needs pyzmq ({e}): pip install 'kvsidecar[kvevents]'")
+        if gateway is not None:
+            gateway.shutdown()
+        server.shutdown()
+        _exit(EXIT_USAGE, hold_on_error, stopping, hangups)
     # Warned once serving is sure: a start-up error stays the one line that names its fix.
     if not config.allow_root:
         warn_if_root(log)
@@ -174,6 +185,8 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
         daemon.otlp_pusher.start()
     if kv_events is not None:
         kv_events.start()
+    if load_push is not None:
+        load_push.start()
     scheme = "https" if server.tls else "http"
     log.info(
         "kvsidecar %s serving %s on %s (%s), shm_dir=%s prefix=%s",
@@ -187,16 +200,20 @@ def run(config: ServeConfig, log_level: str, log_format: str) -> None:
     if gateway is not None:
         log.info(
             "gateway endpoint (model-server protocol, not for Prometheus) on %s",
-            " ".join(f"{a}=dp_rank {r}" for r, a in enumerate(gateway.addresses)),
+            " ".join(f"{a}={what}" for a, what in zip(gateway.addresses, gateway.served)),
         )
     while not stopping.wait(0.2):
         if hangups:
             hangups.clear()
             log.info("received SIGHUP, reloading the web config")
             server.reload()
+            if gateway is not None and gateway.tls is not None:
+                gateway.tls.reload()
     log.info("received %s, shutting down", signal.Signals(received[0]).name)
     if kv_events is not None:
         kv_events.stop()
+    if load_push is not None:
+        load_push.stop()
     if gateway is not None:
         gateway.shutdown()
     server.shutdown()
@@ -288,7 +305,8 @@ def _ports_overlap(addresses: list[str], config: ServeConfig) -> str | None:
     if config.gateway is not None:
         host, port = config.gateway.address
         shown = f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-        claims.append(Claim("--gateway.listen-address", shown, host, port, config.gateway.ranks))
+        count = config.gateway.ranks * max(1, len(config.gateway.roles))
+        claims.append(Claim("--gateway.listen-address", shown, host, port, count))
     if config.kv_events is not None:
         for flag, endpoint in (
             ("--kv-events.endpoint", config.kv_events.endpoint),
@@ -297,6 +315,10 @@ def _ports_overlap(addresses: list[str], config: ServeConfig) -> str | None:
             claim = _tcp_claim(flag, endpoint)
             if claim is not None:
                 claims.append(claim)
+    if config.load_push is not None:
+        claim = _tcp_claim("--load-push.endpoint", config.load_push.endpoint)
+        if claim is not None:
+            claims.append(claim)
     return overlap(claims)
 
 

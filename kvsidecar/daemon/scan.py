@@ -1,9 +1,11 @@
 """The shm directory's scanning: which files become targets, which are refused, and why.
 
 The directory is shared with other local users, so a scan is built to cost little
-whatever they put there: a refused file costs at most an ``lstat`` per rescan
-(refusals.py remembers it), a listing is paced by what it cost (at most 1/LISTING_PACE of
-a core however often the directory changes), the number of followed targets is capped, a
+whatever they put there: an inotify watch (dirwatch.py) says which names changed, so a
+scan looks at those only and lists the directory only when the kernel cannot say (or
+once a minute), a refused file costs at most an ``lstat`` per rescan (refusals.py
+remembers it), a look is paced by what it cost (at most 1/LISTING_PACE of a core however
+often the directory changes), the number of followed targets is capped, a
 file that vanished before it could be read mints nothing, and a failing ``listdir`` keeps
 every known target (see docs/security.md). Prometheus keeps finding (`discovery/`) apart
 from scraping (`scrape/`) the same way; targets.py polls what this finds.
@@ -19,6 +21,7 @@ import time
 
 from kvsidecar.daemon.budget import Budget
 from kvsidecar.daemon.config import Discovery, Polling, Tuning
+from kvsidecar.daemon.dirwatch import DirWatch
 from kvsidecar.daemon.refusals import (
     GEN_MASK,
     Refusals,
@@ -32,7 +35,7 @@ from kvsidecar.daemon.refusals import (
     with_gen,
 )
 from kvsidecar.daemon.target import DEAD, OVER_BUDGET, REFUSED, NameThrottle, Target
-from kvsidecar.discovery import iter_segments
+from kvsidecar.discovery import iter_segments, segment_name
 from kvsidecar.protocol.names import DEFAULT_SHM_DIR
 
 _MTIME_SETTLE_NS = 2_000_000_000  # tmpfs mtimes are coarse: trust one only once it is this old
@@ -42,7 +45,10 @@ _MTIME_SETTLE_NS = 2_000_000_000  # tmpfs mtimes are coarse: trust one only once
 LISTING_PACE = 20
 LISTING_FREE_S = 0.005  # a listing cheaper than this is not paced (a small directory)
 # While refused files are not remembered, an unchanged directory is listed again this
-# often, so one of them edited or chowned in place is still noticed.
+# often, so one of them edited or chowned in place is still noticed; with an inotify
+# watch (dirwatch.py), the directory is listed again this often whatever it holds (what
+# inotify cannot say: a slot freed for a file refused at --max-targets, a dead target
+# displaced for a live engine coming back).
 RELIST_UNREMEMBERED_S = 60.0
 # Reader refusals that are the daemon's own shortage, not the file's fault: retry, never cache.
 _TRANSIENT = {
@@ -67,6 +73,13 @@ def _refuse_open_directory(path: str, st: os.stat_result) -> None:
             "not sticky), so anyone could delete or replace a live segment; "
             f"chmod 0750 {path} (or remove it: the agent creates it private)",
         )
+
+
+def _paced(now: float, cpu: float) -> float:
+    """When a look that began at `now`, `cpu` (thread time) may be repeated: a look that
+    cost d CPU-seconds not before 20 d (one under LISTING_FREE_S at once)."""
+    cost = time.thread_time() - cpu
+    return now + LISTING_PACE * cost if cost > LISTING_FREE_S else 0.0
 
 
 def _transient_cause(error: str) -> str | None:
@@ -110,8 +123,11 @@ class Scan:
         self.last_scan = 0.0  # monotonic time of the last discover()
         self._recheck_queue: list[str] = []
         self._next_listing = 0.0  # monotonic time before which the directory is not listed
+        self._next_look = 0.0  # and before which the watch's changes are not looked at
         self._relist_at = float("inf")  # an unchanged directory is listed again then
         self._dir_key: tuple[int, int, int, int] | None = None
+        self._watch: DirWatch | None = None  # what changed, from inotify (dirwatch.py)
+        self._watch_listed = False  # a listing was made since the watch was set
         self._error_logged: dict[str, float] = {}
         self._waiting_logged = False  # "the default directory does not exist yet", once
         self._default_dir_said: tuple | None = None  # what _warn_default_dir last warned of
@@ -135,12 +151,18 @@ class Scan:
                 self._warn_default_dir(st)
             # ctime too: a chmod (an unreadable directory) must be seen at once.
             dir_key = (st.st_dev, st.st_ino, st.st_mtime_ns, st.st_ctime_ns)
-            # Unchanged: nothing was added, removed or renamed since the last listing.
-            # Changed too soon: the last listing's cost says wait (a flood of changes).
-            if (dir_key == self._dir_key and now < self._relist_at) or now < self._next_listing:
-                self._discovery_ok()
-                self._recheck_some()
-                self.refusals.flush_summary(now)
+            watch = self._watched(st)
+            if watch is None:
+                # Unchanged: nothing was added, removed or renamed since the last listing.
+                # Changed too soon: the last listing's cost says wait (a flood of changes).
+                if (dir_key == self._dir_key and now < self._relist_at) or (
+                    now < self._next_listing
+                ):
+                    self._discovery_ok()
+                    self._recheck_some()
+                    self.refusals.flush_summary(now)
+                    return
+            elif self._look(watch, now, cpu):
                 return
             seen, todo = self._list()
         except FileNotFoundError as e:
@@ -157,6 +179,7 @@ class Scan:
                 self._waiting_logged = True
             self._discovery_ok()
             self._dir_key = None
+            self._watch_listed = False
             self.refusals.entries.clear()
             self._rescan(set(), [])
             self.refusals.unremembered = 0
@@ -170,12 +193,74 @@ class Scan:
         self._dir_key = dir_key if settled else None
         self._rescan(seen, todo)
         self.refusals.unremembered = self.refusals.overflow
-        self._relist_at = (
-            now + RELIST_UNREMEMBERED_S if self.refusals.unremembered else float("inf")
-        )
-        cost = time.thread_time() - cpu
-        self._next_listing = now + LISTING_PACE * cost if cost > LISTING_FREE_S else 0.0
+        relist = self.refusals.unremembered or watch is not None
+        self._relist_at = now + RELIST_UNREMEMBERED_S if relist else float("inf")
+        self._watch_listed = watch is not None
+        self._next_listing = _paced(now, cpu)
         self.refusals.flush_summary(now)
+
+    def _look(self, watch: DirWatch, now: float, cpu: float) -> bool:
+        """With a watch: judge the names it says changed; False if a listing is due (the
+        kernel cannot say, or the minute's listing) and its pacing allows one now. Looks
+        and listings are paced apart: a listing's cost never delays a new engine's look."""
+        if now < self._next_look:  # a flood of changed names: they wait in the kernel
+            self._discovery_ok()
+            self.refusals.flush_summary(now)
+            return True
+        changes = watch.changes(self.recheck_per_scan, self._wanted)
+        if changes is None:
+            self._watch_listed = False  # only a listing can say what is there now
+        if not self._watch_listed or (now >= self._relist_at and now >= self._next_listing):
+            if now >= self._next_listing:
+                return False
+            self._discovery_ok()
+            self.refusals.flush_summary(now)
+            return True
+        self._discovery_ok()
+        if changes and self._judge(changes):
+            self._relist_at = now  # a slot freed: --max-targets refusals may fit
+        self._next_look = _paced(now, cpu)
+        self.refusals.flush_summary(now)
+        return True
+
+    def _wanted(self, name: str) -> bool:
+        return segment_name(name, self.prefix, self.pattern) or name in self.explicit
+
+    def _watched(self, st: os.stat_result) -> DirWatch | None:
+        """The directory's inotify watch (set now if it is new, or another directory),
+        or None where there can be none."""
+        dev_ino = (st.st_dev, st.st_ino)
+        if self._watch is None or self._watch.dev_ino != dev_ino:
+            if self._watch is not None:
+                self._watch.close()
+            self._watch = DirWatch(self.shm_dir, dev_ino)  # before the listing it needs
+            self._watch_listed = False
+        return self._watch if self._watch.active else None
+
+    def _judge(self, names: set[str]) -> bool:
+        """Judge the names the watch says changed, as a listing would: a gone file is
+        forgotten (target or refusal), a new or changed one considered (an unchanged
+        refusal costs its lstat). True if a target was forgotten."""
+        explicit = set(self.explicit)
+        forgot = False
+        for name in sorted(names, key=lambda n: (n not in explicit, n)):
+            try:
+                ino = os.lstat(self.shm_dir + "/" + name).st_ino
+            except FileNotFoundError:
+                if name in self.targets and name not in explicit:
+                    if self.targets[name].shown:
+                        self._note(name, logging.INFO, "gone, forgetting it")
+                    self.targets.pop(name).close()
+                    forgot = True
+                self.refusals.forget(name)
+                if name in explicit and name not in self.targets:
+                    self._consider(name, 0, True)
+                continue
+            except OSError:
+                ino = 0  # _screen says what it can
+            if name not in self.targets:  # a target sees its own file replaced
+                self._consider(name, ino, name in explicit)
+        return forgot
 
     def _list(self) -> tuple[set[str], list[tuple[str, int]]]:
         """One pass over the directory, keeping nothing per entry: the targets it lists,
@@ -383,6 +468,7 @@ class Scan:
         self.discovery_errors_total = bump(self.discovery_errors_total, cause)
         self.discovery_error = f"cannot list {self.shm_dir}: {e.strerror or e} ({cause})"
         self._dir_key = None
+        self._watch_listed = False
         self._log_error(
             cause, f"{self.discovery_error}; keeping the {len(self.targets)} known target(s)"
         )

@@ -42,7 +42,8 @@ A slot (``slot_stride`` bytes, a seqlock of its own)::
 
      +0  u64 seq           odd while the writer rewrites the slot; even otherwise
      +8  u64 version       stores into this slot so far (a removal keeps it)
-    +16  u64 block_hash    the engine's hash (vLLM: the low 64 bits, unsigned)
+    +16  u64 block_hash    the engine's hash, unsigned (vLLM: the low 64 bits; SGLang:
+                           the 64 bits of its signed hash)
     +24  u64 parent_hash   valid when HAS_PARENT
     +32  u32 epoch         clear_epoch when stored
     +36  u8  flags         CACHED 1, HAS_PARENT 2, HAS_LORA_ID 4

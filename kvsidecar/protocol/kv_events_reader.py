@@ -30,7 +30,7 @@ from kvsidecar.protocol.reader import (
 )
 
 SLOT_RETRIES = 64
-SCAN_CHUNK = 4096
+SCAN_CHUNK = 16384
 
 
 class Overrun(ReadError):
@@ -155,26 +155,42 @@ class KVEventsReader(MappedFile):
         raw = _seqlock.kv_slot_read(self._map(), g.slot_off(slot), g.slot_stride, SLOT_RETRIES)
         return None if raw is None else self._decode(slot, raw)
 
+    def slot_row(self, slot: int) -> bytes | None:
+        """One slot's copy as `cached_rows` gives them (its number in the first 8 bytes),
+        cached or not; None if every attempt met the writer mid-write."""
+        g = self.geometry
+        assert g is not None
+        raw = _seqlock.kv_slot_read(self._map(), g.slot_off(slot), g.slot_stride, SLOT_RETRIES)
+        return None if raw is None else slot.to_bytes(8, "little") + raw[8:]
+
     def cached_blocks(self) -> tuple[int, int, list[Block]]:
         """(head, epoch, blocks): the head loaded before the scan (replay the ring after it
         on top), the clear epoch, and every block cached in that epoch."""
+        head, epoch, data = self.cached_rows()
+        stride = self.geometry.slot_stride  # type: ignore[union-attr]
+        blocks = [
+            # kv_table_scan puts the slot's number where its seq was
+            self._decode(int.from_bytes(data[off : off + 8], "little"), data[off : off + stride])
+            for off in range(0, len(data), stride)
+        ]
+        return head, epoch, blocks
+
+    def cached_rows(self) -> tuple[int, int, bytes]:
+        """`cached_blocks` undecoded: (head, epoch, the cached slots' copies, slot_stride
+        bytes each in slot order, the first 8 bytes of each its slot's number)."""
         mm = self._map()
         g = self.geometry
         assert g is not None
         head = self.head()  # first: a clear after it is in the ring after it
         epoch = self.epoch()
-        blocks: list[Block] = []
+        chunks: list[bytes] = []
         slot = 0
-        stride = g.slot_stride
         while slot < g.n_slots:
             slot, data = _seqlock.kv_table_scan(
-                mm, g.table_off, stride, g.n_slots, epoch & 0xFFFFFFFF, slot, SCAN_CHUNK, 8
+                mm, g.table_off, g.slot_stride, g.n_slots, epoch & 0xFFFFFFFF, slot, SCAN_CHUNK, 8
             )
-            for off in range(0, len(data), stride):
-                raw = data[off : off + stride]
-                # kv_table_scan puts the slot's number where its seq was
-                blocks.append(self._decode(int.from_bytes(raw[:8], "little"), raw))
-        return head, epoch, blocks
+            chunks.append(data)
+        return head, epoch, b"".join(chunks)
 
     def lora_name(self, index: int) -> str | None:
         """The name table's entry ``index`` (cached: written once, before first use)."""

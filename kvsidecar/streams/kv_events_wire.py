@@ -79,3 +79,28 @@ def offset_endpoint_port(endpoint: str | None, data_parallel_rank: int) -> str |
             return f"{endpoint[:last]}:{port + data_parallel_rank}"
         return endpoint
     raise ValueError(f"invalid endpoint {endpoint!r}: must contain 'inproc' or 'tcp'")
+
+
+def uses_signed_hashes(events_segment: str) -> bool:
+    """Whether a KV-event segment's hashes go out signed: SGLang's (``kvevents.sglang.*``,
+    the engine field of the segment's name). SGLang's own publisher sends each hash as a
+    signed 64-bit int (``hash_str_to_int64``); the segment keeps the same 64 bits
+    unsigned, vLLM's form."""
+    return events_segment.startswith("kvevents.sglang.")
+
+
+def signed_hash(h: int) -> int:
+    """An unsigned 64-bit hash as SGLang sends it: the same 64 bits as a signed int."""
+    return h - (1 << 64) if h >= 1 << 63 else h
+
+
+def signed_hashes(events: list[Any]) -> None:
+    """The hashes of these events (fresh, not yet encoded) as signed 64-bit ints, in place."""
+    signed = signed_hash
+    for e in events:
+        hashes = getattr(e, "block_hashes", None)
+        if hashes:
+            e.block_hashes = [signed(h) for h in hashes]
+        parent = getattr(e, "parent_block_hash", None)
+        if parent is not None:
+            e.parent_block_hash = signed(parent)

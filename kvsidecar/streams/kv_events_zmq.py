@@ -37,6 +37,7 @@ from kvsidecar.daemon.config import KVEventsOptions
 from kvsidecar.protocol import kv_events_layout as kvl
 from kvsidecar.protocol.kv_events_reader import Block, KVEventsReader, Overrun, Record
 from kvsidecar.protocol.reader import ReadError
+from kvsidecar.streams import kv_events_state
 from kvsidecar.streams.kv_events_wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -44,6 +45,8 @@ from kvsidecar.streams.kv_events_wire import (
     BlockStored,
     EventBatch,
     offset_endpoint_port,
+    signed_hashes,
+    uses_signed_hashes,
 )
 
 log = logging.getLogger("kvsidecar.kv_events")
@@ -54,6 +57,34 @@ MAX_RECORDS_PER_POLL = 16384
 # subscriber that (re)connected learns the sequence, sees a gap or a restarted
 # publisher, and asks for a replay without waiting for the engine's next event.
 HEARTBEAT_S = 1.0
+# What one rank's publisher may hold, in bytes, whatever the engine or the clients do
+# (docs/kv-events.md, "Memory"): the replay buffer keeps the last --kv-events.buffer-steps
+# batches while they fit REPLAY_BUFFER_BYTES (older ones go first: a replay from before
+# them gets the full state); an answer to a replay request is queued to its client a few
+# messages at a time (REPLAY_QUEUE_MSGS: the ROUTER's SNDHWM, messages that share the
+# buffer's bytes), at most MAX_PENDING_REPLAYS clients at once (the oldest request is
+# dropped for a new one), and a client that takes nothing for REPLAY_STALL_S is dropped:
+# a replay client that never reads holds a few messages, not the buffer. A subscriber
+# that does not read is dropped by the PUB at its SNDHWM (at most PUB_QUEUE_MSGS messages,
+# sent without a copy: every subscriber's queue refers to the same bytes), never waited for.
+REPLAY_BUFFER_BYTES = 4 * 1024 * 1024
+PUB_QUEUE_MSGS = 1024
+REPLAY_QUEUE_MSGS = 16
+MAX_PENDING_REPLAYS = 64
+REPLAY_STALL_S = 5.0
+
+
+def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
+    """A bound PUB that never lingers and sheds at ``hwm`` (the KV-event and load streams)."""
+    pub = ctx.socket(zmq.PUB)
+    try:
+        pub.set_hwm(hwm)
+        pub.setsockopt(zmq.LINGER, 0)
+        pub.bind(endpoint)
+    except Exception:
+        pub.close()
+        raise
+    return pub
 
 
 class _State:
@@ -75,6 +106,15 @@ class _State:
         self.hash[b.slot] = b.block_hash
         self.group[b.slot] = b.group_idx
         self.medium[b.slot] = kvl.MEDIUM_CODES.get(b.medium, 0)
+
+    def announce_rows(self, rows: kv_events_state.Rows) -> None:
+        """`announce` for every row of a table read (in bulk: no Block per row)."""
+        version, hashes, group, medium = self.version, self.hash, self.group, self.medium
+        for slot, v, h, key in zip(rows.slots, rows.versions, rows.hashes, rows.keys):
+            version[slot] = v
+            hashes[slot] = h
+            group[slot] = key[4]
+            medium[slot] = key[2] if key[2] in kvl.MEDIA else 0
 
     def removal(self, slot: int) -> BlockRemoved:
         """The BlockRemoved of an announced slot, which it forgets."""
@@ -161,6 +201,7 @@ class RankPublisher:
         self._clock = clock
         self._topic = options.topic.encode()
         self._enc = msgspec.msgpack.Encoder()
+        self._signed = uses_signed_hashes(name)  # SGLang's hash form
         self.reader: KVEventsReader | None = None
         self.dp_rank: int | None = None
         self.endpoint: str | None = None
@@ -169,6 +210,13 @@ class RankPublisher:
         self._replay: zmq.Socket | None = None
         self.seq = -1  # the last published batch (vLLM starts at 0)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=options.buffer_steps)
+        self.buffer_bytes = 0  # of the payloads in _buffer
+        # Replay answers still to send: client -> [messages left, monotonic time of the
+        # last one the client's queue took, the sequence of the full state it sends or -1].
+        self._pending: dict[bytes, list] = {}
+        # The full state's batches at one sequence, shared by the answers that send it:
+        # one full state is held at a time (an answer sending an older one is dropped).
+        self._state_cache: tuple[int, list[bytes]] = (-1, [])
         self._state: _State | None = None
         self._incarnation = 0
         self._next = 1  # the next ring record to read
@@ -271,17 +319,19 @@ class RankPublisher:
     def _bind(self, dp_rank: int) -> None:
         o = self.options
         self.dp_rank = dp_rank
-        pub = self._ctx.socket(zmq.PUB)
-        pub.set_hwm(o.hwm)
-        pub.setsockopt(zmq.LINGER, 0)
+        pub = open_pub(
+            self._ctx, offset_endpoint_port(o.endpoint, dp_rank), min(o.hwm, PUB_QUEUE_MSGS)
+        )
         try:
-            pub.bind(offset_endpoint_port(o.endpoint, dp_rank))
             replay = None
             if o.replay_endpoint:
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
-                # A full replay plus its end marker fits (vLLM 0.33's fix for slow clients).
-                replay.setsockopt(zmq.SNDHWM, 2 * (o.buffer_steps + 1))
+                # A client's queue holds a few messages: the rest of its answer waits in
+                # _pending (shared bytes) until it takes them, so a slow client still gets
+                # the whole replay (vLLM 0.33's fix) and one that never reads costs little.
+                replay.setsockopt(zmq.SNDHWM, REPLAY_QUEUE_MSGS)
+                replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so: Again
                 try:
                     replay.bind(offset_endpoint_port(o.replay_endpoint, dp_rank))
                 except zmq.ZMQError:
@@ -313,18 +363,15 @@ class RankPublisher:
 
     def _resync_full(self, reader: KVEventsReader) -> None:
         """A new writer incarnation: clear, then the whole table (parents first)."""
-        head, _epoch, blocks = reader.cached_blocks()
+        head, rows, events = kv_events_state.full_state(reader, signed=self._signed)
         state = self._state
         assert state is not None
         state.clear()
-        events: list[object] = [AllBlocksCleared()]
-        for b in parents_first(blocks):
-            state.announce(b)
-            events.append(stored_event(reader, [b]))
+        state.announce_rows(rows)
         self._next = head + 1
         self._engine_gone = False
         self.stats["resyncs"] += 1
-        self._publish(events)
+        self._publish(events, encoded=True)
 
     def _resync_diff(self, reader: KVEventsReader) -> None:
         """Overrun (the same writer): remove what is no longer cached, store what is new."""
@@ -398,9 +445,9 @@ class RankPublisher:
 
     # -- the wire -----------------------------------------------------------------------
 
-    def _publish(self, events: list[object], heartbeat: bool = False) -> None:
+    def _publish(self, events: list, heartbeat: bool = False, encoded: bool = False) -> None:
         """Events as batches of at most MAX_EVENTS_PER_BATCH (none: nothing, unless this is
-        the idle heartbeat, one empty batch)."""
+        the idle heartbeat, one empty batch); ``encoded``: each event is msgpack already."""
         pub = self._pub
         if pub is None:
             return
@@ -409,25 +456,38 @@ class RankPublisher:
             if not chunk and not heartbeat:
                 return
             self.seq += 1
-            payload = self._enc.encode(
-                EventBatch(ts=self._clock(), events=chunk, data_parallel_rank=self.dp_rank)
-            )
+            payload = self._batch(chunk, encoded)
             seq = self.seq.to_bytes(8, "big")
             try:
-                pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK)
+                pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK, copy=False)
             except zmq.Again:  # PUB drops for slow subscribers itself; never wait
                 pass
-            self._buffer.append((self.seq, payload))
+            self._remember(self.seq, payload)
             self._last_sent = time.monotonic()
             self.stats["batches"] += 1
             self.stats["events"] += len(chunk)
 
+    def _remember(self, seq: int, payload: bytes) -> None:
+        """Into the replay buffer: the last buffer_steps batches, within REPLAY_BUFFER_BYTES
+        (the newest is kept whatever its size)."""
+        buf = self._buffer
+        if len(buf) == buf.maxlen:
+            self.buffer_bytes -= len(buf[0][1])
+        buf.append((seq, payload))
+        self.buffer_bytes += len(payload)
+        while self.buffer_bytes > REPLAY_BUFFER_BYTES and len(buf) > 1:
+            self.buffer_bytes -= len(buf.popleft()[1])
+
     def _serve_replay(self, timeout: float) -> None:
-        """Wait up to timeout for replay requests (or just sleep without a ROUTER)."""
+        """Wait up to timeout for replay requests (or just sleep without a ROUTER), and
+        send what the pending answers' clients can take."""
         replay = self._replay
         if replay is None:
             self._stop.wait(timeout)
             return
+        if self._pending:
+            self._send_pending()
+            timeout = min(timeout, self.options.poll_interval)
         if not replay.poll(int(timeout * 1000)):
             return
         while replay.poll(0):
@@ -442,27 +502,65 @@ class RankPublisher:
             self._answer_replay(client, int.from_bytes(start_bytes, "big"))
 
     def _answer_replay(self, client: bytes, start: int) -> None:
+        """Queue the answer (references to the buffer's payloads, or the full state's
+        batches), then send what the client's queue takes now."""
+        oldest = self._buffer[0][0] if self._buffer else self.seq + 1
+        state = -1
+        if start < oldest and self.reader is not None and self.seq >= 0:
+            # Older than the buffer: the full state as of the last published sequence.
+            state = self.seq
+            if self._state_cache[0] != state:
+                self._pending = {c: p for c, p in self._pending.items() if p[2] < 0}
+                self._state_cache = (state, [])  # the old batches go before the new are built
+                self._state_cache = (state, self._state_batches())
+            seq = state.to_bytes(8, "big")
+            answer = [(self._topic, seq, payload) for payload in self._state_cache[1]]
+        else:
+            answer = [
+                (self._topic, seq.to_bytes(8, "big"), payload)
+                for seq, payload in self._buffer
+                if seq >= start
+            ]
+        answer.append((b"", END_SEQ, b""))
+        answer.reverse()  # popped from the end
+        self._pending.pop(client, None)  # a new request replaces the client's old one
+        while len(self._pending) >= MAX_PENDING_REPLAYS:
+            del self._pending[next(iter(self._pending))]  # the oldest request
+        self._pending[client] = [answer, time.monotonic(), state]
+        self._send_pending()
+
+    def _send_pending(self) -> None:
+        """Send each pending answer's next messages while its client's queue takes them;
+        drop the answer of a client gone, or that took nothing for REPLAY_STALL_S."""
         replay = self._replay
         assert replay is not None
-        oldest = self._buffer[0][0] if self._buffer else self.seq + 1
-        try:
-            if start < oldest and self.reader is not None and self.seq >= 0:
-                # Older than the buffer: the full state as of the last published sequence.
-                for payload in self._state_batches():
-                    replay.send_multipart(
-                        (client, b"", self._topic, self.seq.to_bytes(8, "big"), payload),
-                        flags=zmq.NOBLOCK,
-                    )
-            else:
-                for seq, payload in self._buffer:
-                    if seq >= start:
-                        replay.send_multipart(
-                            (client, b"", self._topic, seq.to_bytes(8, "big"), payload),
-                            flags=zmq.NOBLOCK,
-                        )
-            replay.send_multipart((client, b"", b"", END_SEQ, b""), flags=zmq.NOBLOCK)
-        except zmq.Again:  # the client does not read: drop the rest, never wait
-            pass
+        now = time.monotonic()
+        for client, pending in list(self._pending.items()):
+            answer = pending[0]
+            try:
+                while answer:
+                    replay.send_multipart((client, b"", *answer[-1]), flags=zmq.NOBLOCK, copy=False)
+                    answer.pop()
+                    pending[1] = now
+            except zmq.Again:  # its queue is full: the rest waits, unless it stalled
+                if now - pending[1] < REPLAY_STALL_S:
+                    continue
+            except zmq.ZMQError:  # EHOSTUNREACH: the client is gone
+                pass
+            del self._pending[client]
+        if not any(p[2] >= 0 for p in self._pending.values()):
+            self._state_cache = (-1, [])
+
+    def _batch(self, events: list, encoded: bool) -> bytes:
+        """One EventBatch's payload, stamped now; ``encoded``: the events are msgpack already
+        (their hashes in this segment's form); SGLang's segments' hashes go signed."""
+        if encoded:
+            return kv_events_state.encode_batch(self._enc, self._clock(), events, self.dp_rank)
+        if self._signed:
+            signed_hashes(events)
+        return self._enc.encode(
+            EventBatch(ts=self._clock(), events=events, data_parallel_rank=self.dp_rank)
+        )
 
     def _state_batches(self) -> list[bytes]:
         """The announced state as batches: AllBlocksCleared + BlockStored per block whose
@@ -470,23 +568,9 @@ class RankPublisher:
         its removal follows live)."""
         reader, state = self.reader, self._state
         assert reader is not None and state is not None
-        blocks = []
-        for slot in range(state.n):
-            v = state.version[slot]
-            if v:
-                b = reader.block(slot)
-                if b is not None and b.version == v:
-                    blocks.append(b)
-        events: list[object] = [AllBlocksCleared()]
-        events.extend(stored_event(reader, [b]) for b in parents_first(blocks))
+        events = kv_events_state.announced_state(reader, state.version, signed=self._signed)
         return [
-            self._enc.encode(
-                EventBatch(
-                    ts=self._clock(),
-                    events=events[i : i + MAX_EVENTS_PER_BATCH],
-                    data_parallel_rank=self.dp_rank,
-                )
-            )
+            self._batch(events[i : i + MAX_EVENTS_PER_BATCH], True)
             for i in range(0, len(events), MAX_EVENTS_PER_BATCH)
         ]
 

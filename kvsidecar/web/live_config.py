@@ -8,7 +8,7 @@ import os
 import ssl
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kvsidecar.web.basic_auth import BasicAuth
@@ -87,7 +87,15 @@ class LiveConfig:
     certificate changes, so rotated certificates and users apply without a restart;
     a broken new version is logged and the last good one stays in force."""
 
-    def __init__(self, cfg: WebConfig | None, check_interval_s: float) -> None:
+    def __init__(
+        self,
+        cfg: WebConfig | None,
+        check_interval_s: float,
+        check: Callable[[WebConfig], None] | None = None,
+    ) -> None:
+        # `check`: what a reloaded config must also pass (raises WebConfigError), as the
+        # first one did (the gateway's file: kvsidecar/web/poll_tls.py).
+        self._extra_check = check
         self._state = LiveState.build(cfg)
         self._interval = check_interval_s
         self._stamp = _stamp(cfg.files) if cfg is not None and cfg.path else None
@@ -138,6 +146,8 @@ class LiveConfig:
             cfg = load_web_config(old.cfg.path)
             if (cfg.tls is None) != (old.cfg.tls is None):
                 raise WebConfigError(f"{cfg.path}: TLS can only be turned on or off with a restart")
+            if self._extra_check is not None:
+                self._extra_check(cfg)
             self._state = LiveState.build(cfg, previous=old)
             self._stamp = _stamp(cfg.files)
         except (WebConfigError, OSError) as e:

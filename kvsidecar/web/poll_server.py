@@ -4,7 +4,8 @@
 Why not the main front (`server.py`): the picker's polls must never queue behind
 Prometheus renders, bcrypt checks or an attacker on the main port, and each one should
 cost microseconds. So this server has its own thread, its own selector and its own
-connection budget, and does only what a poll needs: no auth, no compression, no asyncio.
+connection budget, and does only what a poll needs: no auth, no compression, no asyncio;
+TLS when given one (`tls`: kvsidecar/web/poll_tls.py wraps each accepted socket).
 Each listening socket is bound to one `Route` (e.g. one listener per engine rank).
 
 The grammar is the main port's: every head goes through `kvsidecar.web.request.parse_head`
@@ -53,6 +54,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvsidecar.web.gate import _head_end, _hopeless, _lines
 from kvsidecar.web.request import BadRequest, Request, parse_head
@@ -62,6 +64,9 @@ try:
     from kvsidecar.web import _pollfast
 except ImportError:  # not built (no compiler): every poll takes the Python path
     _pollfast = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    from kvsidecar.web.poll_tls import PollTLS
 
 __all__ = ["FAST", "MAX_HEAD", "FastSlot", "PollServer", "Route"]
 
@@ -128,7 +133,7 @@ FastSlot = _pollfast.Slot if _pollfast is not None else _PySlot
 
 @dataclass(eq=False)
 class _Conn:
-    sock: socket.socket
+    sock: Any  # a socket.socket, or a poll_tls.TLSSocket
     route: Route
     host: str = ""
     inbuf: bytearray = field(default_factory=bytearray)
@@ -163,9 +168,11 @@ class PollServer:
         head_timeout: float = 2.0,
         idle_timeout: float = 60.0,
         name: str = "kvsidecar-poll-server",
+        tls: PollTLS | None = None,
         compiled: bool = True,
     ) -> None:
         self.listeners = list(listeners)
+        self.tls = tls
         self.max_connections = max_connections
         self.head_timeout = head_timeout
         self.idle_timeout = idle_timeout
@@ -330,6 +337,14 @@ class PollServer:
             except OSError:
                 pass
             host = addr[0] if isinstance(addr, tuple) else str(addr)
+            if self.tls is not None:
+                # The handshake runs inside its recv; until a request's bytes are
+                # decrypted the first-byte deadline (`head_timeout` after accept) holds.
+                try:
+                    sock = self.tls.wrap(sock)
+                except OSError:  # reset before we wrapped it
+                    sock.close()
+                    continue
             conn = _Conn(sock, route, host, accepted=now, progress=now)
             self._conns[sock.fileno()] = conn
             self._per_host[host] = self._per_host.get(host, 0) + 1

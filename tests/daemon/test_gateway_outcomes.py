@@ -17,7 +17,10 @@ POLLS = 30
 
 def _answers(url: str) -> dict[tuple[str, str], float]:
     text = fetch(url + "/metrics")[2]
-    pattern = r'^kvsidecar_gateway_answers_total\{dp_rank="(\d+)",outcome="(\w+)"\} (\S+)$'
+    pattern = (
+        r"^kvsidecar_gateway_answers_total"
+        r'\{dp_rank="(\d+)",outcome="(\w+)",role="any"\} (\S+)$'
+    )
     return {(r, o): float(v) for r, o, v in re.findall(pattern, text, re.M)}
 
 

@@ -51,6 +51,10 @@ def test_pushed_points_equal_metrics(shm_dir: str, temporality: str) -> None:
         writer.send_signal(signal.SIGSTOP)
         frozen_at = len(got)
         assert wait_for(lambda: len(got) >= frozen_at + 6, WAIT_S)
+        # Every batch the collector accepted is counted (KvsidecarOtlpPushFailing's series);
+        # the last one may be counted after the receiver has it.
+        assert wait_for(lambda: (_exported(fetch(base + "/metrics")[2]) or 0) >= len(got) - 1)
+        assert _exported(fetch(base + "/metrics")[2]) <= len(got)
         _, _, text = fetch(base + "/metrics")
         pushed = rank_points(list(got) if temporality == "delta" else list(got)[-1:])
         assert pushed
@@ -70,3 +74,8 @@ def test_pushed_points_equal_metrics(shm_dir: str, temporality: str) -> None:
         srv.shutdown()
         writer.kill()
         writer.wait()
+
+
+def _exported(text: str) -> float | None:
+    found = [v for n, _, v in samples(text) if n == "kvsidecar_otlp_exported_batches_total"]
+    return found[0] if found else None

@@ -113,6 +113,9 @@ def test_dead_collector(shm_dir: str, rank: None) -> None:
         _assert_as_prompt(_latencies(base_urls, push_urls))
         before = _dropped(push_urls, "send_failed")
         assert wait_for(lambda: _dropped(push_urls, "send_failed") > before, WAIT_S)
+        # Nothing accepted: the series KvsidecarOtlpPushFailing watches stays at 0.
+        text = fetch(push_urls["web"] + "/metrics")[2]
+        assert value(text, "kvsidecar_otlp_exported_batches_total") == 0
     finally:
         _stop(push)
         _stop(base)

@@ -60,13 +60,29 @@ def test_claims() -> None:
     assert overlap([any_port, Claim("--gateway.listen-address", "x", "", 0, 8)]) is None
 
 
-def test_a_kv_events_port_on_the_main_port_is_one_line(shm_dir: str) -> None:
-    p = free_port_run(1)
-    proc = _serve(
-        shm_dir,
-        "--web.listen-address", f"127.0.0.1:{p}",
-        "--kv-events.endpoint", f"tcp://*:{p}",
-    )  # fmt: skip
+def refused_in_one_line(shm_dir: str, *args: str) -> str:
+    """`serve` with `args` exits 2 before binding anything, saying why in one line."""
+    proc = _serve(shm_dir, *args)
     assert proc.returncode == 2, proc.stderr
     (line,) = proc.stderr.splitlines()
-    assert "--kv-events.endpoint" in line and f"port {p}" in line, line
+    return line
+
+
+@pytest.mark.parametrize(
+    "flag, other",
+    [
+        ("--kv-events.endpoint", ("--web.listen-address", "127.0.0.1:{p}")),
+        ("--load-push.endpoint", ("--web.listen-address", "127.0.0.1:{p}")),
+        ("--load-push.endpoint", ("--kv-events.endpoint", "tcp://127.0.0.1:{p}")),
+        ("--load-push.endpoint", ("--gateway.listen-address", "127.0.0.1:{p}")),
+    ],
+)
+def test_a_stream_port_on_another_listener_is_one_line(
+    shm_dir: str, flag: str, other: tuple[str, str]
+) -> None:
+    p = free_port_run(1)
+    args = [other[0], other[1].format(p=p)]
+    if other[0] != "--web.listen-address":
+        args += ["--web.listen-address", "127.0.0.1:0"]
+    line = refused_in_one_line(shm_dir, *args, flag, f"tcp://*:{p}")
+    assert flag in line and other[0] in line and f"port {p}" in line, line

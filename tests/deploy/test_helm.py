@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import helm_python
 import pytest
@@ -26,7 +27,7 @@ from .support import DEPLOY, REPO, require_tool, run
 
 EXTRA_ARGS = ["--log.format=json", "--poll-interval=0.5"]
 ALL_ON = {
-    "gateway": {"enabled": True},
+    "gateway": {"enabled": True, "role": "decode", "tlsSecret": "kvsidecar-gateway-tls"},
     "monitor": {"enabled": True, "labels": {"release": "kube-prometheus-stack"}},
     "extraArgs": EXTRA_ARGS,
     "extraEnv": [{"name": "KVSIDECAR_LOG_FORMAT", "value": "json"}],
@@ -181,6 +182,31 @@ def test_gateway_port_served_and_never_scraped() -> None:
     res = sidecar["resources"]
     assert res["requests"]["cpu"] == res["limits"]["cpu"] == "100m"
     assert the_sidecar(objects("defaults"))["resources"]["limits"]["cpu"] == "50m"
+
+
+def test_gateway_tls_secret_is_mounted_where_serve_reads_it(monkeypatch) -> None:
+    """gateway.tlsSecret: the Secret mounted read-only in the sidecar, and
+    KVSIDECAR_GATEWAY_WEB_CONFIG_FILE naming web-config.yml inside that mount; serve takes
+    the rendered gateway variables."""
+    from kvsidecar.cli.main import main
+
+    docs = objects("all-on")
+    sidecar, pod = the_sidecar(docs), the_pod(docs)
+    env = manifests.env(sidecar)
+    path = Path(env["KVSIDECAR_GATEWAY_WEB_CONFIG_FILE"])
+    (mount,) = [m for m in sidecar["volumeMounts"] if Path(m["mountPath"]) == path.parent]
+    assert mount["readOnly"] is True and path.name == "web-config.yml"
+    (volume,) = [v for v in pod["spec"]["volumes"] if v["name"] == mount["name"]]
+    assert volume["secret"]["secretName"] == "kvsidecar-gateway-tls"
+    for name, value in env.items():
+        if name.startswith("KVSIDECAR_GATEWAY_"):
+            monkeypatch.setenv(name, value)
+    params = main.commands["serve"].make_context("serve", []).params
+    assert params["gateway_roles"] == ("decode",)
+    assert params["gateway_web_config_file"] == str(path)
+    assert "KVSIDECAR_GATEWAY_WEB_CONFIG_FILE" not in manifests.env(
+        the_sidecar(objects("defaults"))
+    )
 
 
 @pytest.mark.parametrize("case", ["all-on", "servicemonitor"])

@@ -15,7 +15,7 @@ K8S = DEPLOY / "kubernetes"
 # Native sidecars (initContainers[].restartPolicy) are on by default from 1.29.
 VERSIONS = ["1.29.0", "1.31.0", "1.37.0"]
 # CRDs kubernetes-validate has no schema for: checked structurally below.
-CRD_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule"}
+CRD_KINDS = {"PodMonitor", "ServiceMonitor", "PrometheusRule", "InferencePool"}
 SHM_DIR = "/run/kvsidecar"
 
 
@@ -50,8 +50,15 @@ def one(kind: str) -> dict:
 
 
 def example_pods() -> list[tuple[str, dict]]:
+    """The engine pods with the sidecar (not the endpoint picker's, vllm-epp.yaml)."""
     return [
-        (p.name, d["spec"]["template"]) for p, d in documents() if d.get("kind") == "Deployment"
+        (p.name, d["spec"]["template"])
+        for p, d in documents()
+        if d.get("kind") == "Deployment"
+        and any(
+            c["name"] == "kvsidecar"
+            for c in d["spec"]["template"]["spec"].get("initContainers", [])
+        )
     ]
 
 

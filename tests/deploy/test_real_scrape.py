@@ -69,9 +69,7 @@ def _scraped_names(shm_dir: str) -> set[str]:
         fetch(url + "/api/v1/snapshots")  # so every handler has request metrics
         fetch(f"http://127.0.0.1:{gateway}/metrics")  # an endpoint picker's poll
         # Counted once answered, and /metrics renders once per poll cycle: wait for it.
-        assert wait_for(
-            lambda: "kvsidecar_gateway_requests_total{" in fetch(url + "/metrics")[2]
-        )
+        assert wait_for(lambda: "kvsidecar_gateway_requests_total{" in fetch(url + "/metrics")[2])
         text = fetch(url + "/metrics")[2]
         # These two have no sample until their first event (a gateway connection the daemon
         # closes, a lost OTLP batch): their family in the scrape is what the panel names.

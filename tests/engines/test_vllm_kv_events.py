@@ -72,16 +72,16 @@ def replay(port: int, start: int = 0, wait_s: float = 5.0) -> list[bytes] | None
         dealer.close()
 
 
-def decode(python: str, payloads: list[bytes]) -> list[list]:
-    """The events of these batches, in order, as vLLM's own classes decode them:
-    [type, fields] each."""
+def decode(python: str, payloads: list[bytes], script=DECODE) -> list[list]:
+    """The events of these batches, in order, as vLLM's own classes decode them (another
+    engine's with its ``script``): [type, fields] each."""
     proc = subprocess.run(
-        [python, str(DECODE)],
+        [python, str(script)],
         input=json.dumps([p.hex() for p in payloads]),
         capture_output=True,
         text=True,
         timeout=120,
-        env={k: v for k, v in os.environ.items() if k != "VIRTUAL_ENV"},
+        env={k: v for k, v in os.environ.items() if k not in ("VIRTUAL_ENV", "PYTHONPATH")},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
     batches = json.loads(proc.stdout.splitlines()[-1])["batches"]
@@ -176,6 +176,51 @@ def kinds(events: list[list]) -> dict[str, int]:
     return out
 
 
+def start_kv_daemon(shm, pub: int, replay_port: int, log) -> subprocess.Popen:
+    """``kvsidecar serve`` publishing the KV-event segments in ``shm`` on these ports."""
+    daemon, _url = fleet.start_daemon(
+        str(shm),
+        "--kv-events.endpoint", f"tcp://127.0.0.1:{pub}",
+        "--kv-events.replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
+        "--kv-events.topic", "kv@sidecar@tiny",
+        wait_for_source=False,
+        timeout=60,
+        stderr=open(log, "wb"),
+    )  # fmt: skip
+    return daemon
+
+
+def holds(consumer: Consumer, expected: set[int]) -> bool:
+    consumer.pump(0.3)
+    return consumer.held == expected
+
+
+def late_joiner(
+    live: Consumer, consumers: list[Consumer], pub: int, replay_port: int, truth: set[int]
+) -> Consumer:
+    """The live consumer, and one joining now (kept in ``consumers``, returned), hold
+    exactly ``truth``."""
+    assert wait_for(lambda: holds(live, truth), 60, 0.1), live.held ^ truth
+    late = Consumer(pub, replay_port)
+    consumers.append(late)
+    late.join()
+    assert wait_for(lambda: holds(late, truth), 60, 0.1), late.held ^ truth
+    return late
+
+
+def stop_all(consumers: list[Consumer], server, daemon: subprocess.Popen, stop=vb.stop_server):
+    """The consumers, the engine server (when up, by ``stop``), then the daemon."""
+    for c in consumers:
+        c.close()
+    if server is not None:
+        stop(server)
+    daemon.send_signal(signal.SIGTERM)
+    try:
+        daemon.wait(10)
+    except subprocess.TimeoutExpired:
+        daemon.kill()
+
+
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("env", ENVS)
 def test_recorded_events_equal_vllms_own_queue_every_step(env):
@@ -220,15 +265,7 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
         num_gpu_blocks=20,
         extra=("--max-model-len", "512", "--kv-events-config", json.dumps(kv_config)),
     )
-    daemon, _url = fleet.start_daemon(
-        str(shm),
-        "--kv-events.endpoint", f"tcp://127.0.0.1:{s_pub}",
-        "--kv-events.replay-endpoint", f"tcp://127.0.0.1:{s_replay}",
-        "--kv-events.topic", "kv@sidecar@tiny",
-        wait_for_source=False,
-        timeout=60,
-        stderr=open(tmp_path / "daemon.log", "wb"),
-    )  # fmt: skip
+    daemon = start_kv_daemon(shm, s_pub, s_replay, tmp_path / "daemon.log")
     server = None
     consumers: list[Consumer] = []
     try:
@@ -268,15 +305,7 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
         truth = applied(theirs)
         assert truth, "blocks stay cached after the workload"
 
-        def holds(consumer: Consumer, expected: set[int]) -> bool:
-            consumer.pump(0.3)
-            return consumer.held == expected
-
-        assert wait_for(lambda: holds(live, truth), 60, 0.1), live.held ^ truth
-        late = Consumer(s_pub, s_replay)
-        consumers.append(late)
-        late.join()
-        assert wait_for(lambda: holds(late, truth), 60, 0.1), late.held ^ truth
+        late = late_joiner(live, consumers, s_pub, s_replay, truth)
 
         # The engine core SIGKILLed: no consumer keeps a dead engine's blocks.
         os.kill(vllm_child(server.pid, b"EngineCore"), signal.SIGKILL)
@@ -305,12 +334,4 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
         assert wait_for(lambda: holds(late, truth2), 60, 0.1), late.held ^ truth2
         print("restart: vLLM's events", kinds(theirs2), "held", len(truth2))
     finally:
-        for c in consumers:
-            c.close()
-        if server is not None:
-            vb.stop_server(server)
-        daemon.send_signal(signal.SIGTERM)
-        try:
-            daemon.wait(10)
-        except subprocess.TimeoutExpired:
-            daemon.kill()
+        stop_all(consumers, server, daemon)

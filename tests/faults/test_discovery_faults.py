@@ -184,6 +184,9 @@ def test_fd_exhaustion_does_not_flap_targets(shm_dir: str, logfile: str) -> None
         before = len(_log(logfile))
         soft, hard = resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE)
         resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (_lowest_free_fd(daemon.pid), hard))
+        # The directory itself changed: only a listing can say what is there (an unchanged
+        # one needs no descriptor: its inotify watch says nothing changed).
+        os.chmod(shm_dir, 0o700)
         time.sleep(1.5)  # ~30 scans with no descriptor to list the directory with
         resource.prlimit(daemon.pid, resource.RLIMIT_NOFILE, (soft, hard))
         time.sleep(0.5)  # descriptors back: a few good scans

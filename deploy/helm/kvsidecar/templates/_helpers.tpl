@@ -61,6 +61,14 @@ its Service). holdOnError keeps a misconfigured sidecar running and saying why.
     {{- if .Values.gateway.enabled }}
     - name: KVSIDECAR_GATEWAY_LISTEN_ADDRESS
       value: {{ printf ":%d" (int .Values.gateway.port) | quote }}
+    {{- with .Values.gateway.role }}
+    - name: KVSIDECAR_GATEWAY_ROLE
+      value: {{ . | quote }}
+    {{- end }}
+    {{- if .Values.gateway.tlsSecret }}
+    - name: KVSIDECAR_GATEWAY_WEB_CONFIG_FILE
+      value: /etc/kvsidecar/gateway-tls/web-config.yml
+    {{- end }}
     {{- end }}
     {{- with .Values.extraEnv }}
     {{- toYaml . | nindent 4 }}
@@ -97,6 +105,11 @@ its Service). holdOnError keeps a misconfigured sidecar running and saying why.
     - name: kvsidecar-shm
       mountPath: {{ .Values.segments.mountPath }}
       readOnly: true
+    {{- if and .Values.gateway.enabled .Values.gateway.tlsSecret }}
+    - name: kvsidecar-gateway-tls
+      mountPath: /etc/kvsidecar/gateway-tls
+      readOnly: true
+    {{- end }}
     {{- with .Values.extraVolumeMounts }}
     {{- toYaml . | nindent 4 }}
     {{- end }}
