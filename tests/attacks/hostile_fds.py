@@ -45,13 +45,14 @@ IDLE_CONNECTIONS = 1000
 
 
 class IdleClients:
-    """``n`` connections from `ATTACK_ADDRESS` that send nothing (or, with ``ctx``, only
+    """``n`` connections from ``source`` that send nothing (or, with ``ctx``, only
     what ``opening`` sends), from one selector thread; closed ones are reopened."""
 
     def __init__(
-        self, port: int, n: int, opening: Callable[[socket.socket], socket.socket] | None = None
-    ) -> None:
-        self.port, self.n, self.opening = port, n, opening
+        self, port: int, n: int, opening: Callable[[socket.socket], socket.socket] | None = None,
+        source: str = ATTACK_ADDRESS,
+    ) -> None:  # fmt: skip
+        self.port, self.n, self.opening, self.source = port, n, opening, source
         self.open = 0
         self.connects = 0  # attempted
         self.reopened = 0
@@ -70,7 +71,7 @@ class IdleClients:
         s = socket.socket()
         self.connects += 1
         try:
-            s.bind((ATTACK_ADDRESS, 0))
+            s.bind((self.source, 0))
             if self.opening is not None:
                 s.settimeout(30)
                 s.connect(("127.0.0.1", self.port))
