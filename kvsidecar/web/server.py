@@ -137,6 +137,20 @@ class _Conn:
     born: float = field(default_factory=time.monotonic)
     # Holds one of the front's `HANDSHAKE_PLACES` until its first handshake step is done.
     hello_place: Callable[[], None] | None = None
+    # What it is told if closed at the cap while its credentials wait (for a bcrypt turn,
+    # or sitting out a wrong password's pause): a request that presented credentials is
+    # answered or refused with a status, never dropped (issue 43 item 3).
+    owed: bytes | None = None
+
+
+_AUTH_BUSY = b"429 too many authentication attempts, try again later\n"
+_FRONT_FULL = b"503 too many connections, try again later\n"
+
+
+def _refusal(status: int, body: bytes, headers: Mapping[str, str]) -> bytes:
+    """A whole answer that closes the connection, to write at once when it is closed."""
+    items = [("Content-Type", _PLAIN), ("Content-Length", str(len(body))), *headers.items()]
+    return response_head(status, items, close=True) + body
 
 
 async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes]) -> bool:
@@ -346,7 +360,14 @@ class _Front:
 
     def _drop(self, conn: _Conn) -> None:
         self._forget(conn)
-        conn.writer.transport.abort()
+        owed, conn.owed = conn.owed, None
+        if owed is None:
+            conn.writer.transport.abort()
+        else:
+            # A few hundred bytes into an idle send buffer: written now, then closed.
+            with contextlib.suppress(OSError, ssl.SSLError, RuntimeError):
+                conn.writer.write(owed)
+            conn.writer.transport.close()
         if conn.task is not None and conn.task is not asyncio.current_task(self.loop):
             conn.task.cancel()
 
@@ -422,7 +443,13 @@ class _Front:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self._admit(conn):
-            writer.transport.abort()
+            if self.gate is not None and not self.gate.tls:
+                # A whole head came from the gate (credentials, maybe): refused with a
+                # status, not dropped. TLS: nothing can be said before a handshake.
+                conn.owed = _refusal(503, _FRONT_FULL, {"Retry-After": "1"})
+                self._drop(conn)
+            else:
+                writer.transport.abort()
             return
         writer.transport.set_write_buffer_limits(high=WRITE_CHUNK)
         try:
@@ -579,19 +606,21 @@ class _Front:
         ):
             if verdict is None:
                 headers["Retry-After"] = "1"
-                status, body = 429, b"429 too many authentication attempts, try again later\n"
+                status, body = 429, _AUTH_BUSY
             else:
+                headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
+                status, body = 401, b"401 unauthorized\n"
                 if request.header("authorization"):
                     # Wrong credentials answer after a pause (known and unknown users
                     # alike): a coroutine asleep costs nothing, and a flood repeating a
                     # cached wrong password can no longer saturate the loop.
                     self.failing[conn] = None  # evictable first while it sits out the pause
+                    conn.owed = _refusal(status, body, headers)  # its 401, without the pause
                     try:
                         await asyncio.sleep(FAILED_AUTH_DELAY_S)
                     finally:
+                        conn.owed = None
                         self.failing.pop(conn, None)
-                headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
-                status, body = 401, b"401 unauthorized\n"
         elif not known:
             status, body = 404, b"404 page not found\n"
         else:
@@ -655,6 +684,7 @@ class _Front:
         suspect = conn.failed or conn.host in self.failed_hosts
         tier = self.failing if suspect else self.checking
         tier[conn] = None  # queued for bcrypt: closable at the cap (see self.failing)
+        conn.owed = _refusal(429, _AUTH_BUSY, {"Retry-After": "1"})  # if closed so
         if conn.host in self.good_hosts:
             rank = 0
         elif conn.host not in self.checked_hosts:
@@ -671,6 +701,7 @@ class _Front:
                 rank=rank,
             )
         finally:
+            conn.owed = None
             tier.pop(conn, None)
         if ok is not None:
             self._note_outcome(conn, ok)
