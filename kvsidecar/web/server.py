@@ -51,6 +51,7 @@ from typing import Any
 from kvsidecar.web.basic_auth import AuthGate, BasicAuth
 from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
+from kvsidecar.web.failures import Failures
 from kvsidecar.web.fair import CLEAN, NEWEST_FIRST, FairGate, Refused
 from kvsidecar.web.gate import FRESH_GRACE_S, PARKED_MEMORY, Gate
 from kvsidecar.web.listen_address import parse_listen_address
@@ -129,7 +130,9 @@ class _Conn:
     peer: str  # host:port, for the log
     host: str  # the address alone: the auth queue's fairness key
     task: asyncio.Task | None = None
-    failed: bool = False  # sent wrong credentials: its next checks queue last
+    # Wrong credentials it sent: from the second on (a flood over keep-alive), its next
+    # checks queue last; one (a credential rotation) is its address's score's business.
+    failures: int = 0
     # Completed a ClientHello or a request head: while idle, closed at the cap only after
     # those that never did (tricklers), so reconnecting tricklers from a probe's own
     # address cannot close the probe mid-handshake whatever the cap.
@@ -257,10 +260,12 @@ class _Front:
         # Connections whose first credentials wait for a bcrypt turn: evictable last, for
         # the same reason (a queue of distinct wrong passwords must not hold the cap).
         self.checking: OrderedDict[_Conn, None] = OrderedDict()
-        # Addresses that sent wrong credentials lately (bounded, oldest forgotten): a new
-        # connection from one is suspect from its first check, so reconnecting after an
-        # eviction does not buy an attacker the protection of a first login.
-        self.failed_hosts: OrderedDict[str, None] = OrderedDict()
+        # Addresses that sent wrong credentials lately, as decaying scores (bounded, oldest
+        # forgotten): a new connection from a suspect one is suspect from its first check,
+        # so reconnecting after an eviction does not buy an attacker the protection of a
+        # first login; one wrong password a while ago does not put an address behind a
+        # flood (`failures.Failures`).
+        self.failures = Failures(FAILED_HOSTS_MEMORY)
         # Addresses that had a bcrypt check lately, and those that logged in lately
         # (bounded, oldest forgotten): the auth gate's ranks (`basic_auth.AuthGate`).
         self.checked_hosts: OrderedDict[str, None] = OrderedDict()
@@ -681,13 +686,15 @@ class _Front:
             self._note_outcome(conn, cached)
             return cached
         auth = state.auth
-        suspect = conn.failed or conn.host in self.failed_hosts
+        suspect = conn.failures >= 2 or self.failures.suspect(conn.host)
         tier = self.failing if suspect else self.checking
         tier[conn] = None  # queued for bcrypt: closable at the cap (see self.failing)
         conn.owed = _refusal(429, _AUTH_BUSY, {"Retry-After": "1"})  # if closed so
         if conn.host in self.good_hosts:
             rank = 0
-        elif conn.host not in self.checked_hosts:
+        elif conn.host not in self.checked_hosts or conn.host in self.failures:
+            # Never checked, or one wrong password a while ago (`failures.Failures`):
+            # the newest first, so a flood that began earlier delays it by one check.
             rank = NEWEST_FIRST
         else:
             rank = CLEAN
@@ -711,8 +718,8 @@ class _Front:
         if ok:
             _remember(self.good_hosts, conn.host)
             return
-        conn.failed = True
-        _remember(self.failed_hosts, conn.host)
+        conn.failures += 1
+        self.failures.failed(conn.host)
 
     async def _write(
         self,
