@@ -7,8 +7,9 @@ remembered: a login 2 s after it waited 4.2-8 s behind 64 flooding addresses (is
 item 4). As a score, each wrong password adds 1 and the sum halves every `HALF_LIFE_S`:
 an address is suspect when its score is `SUSPECT_SCORE` or more (two wrong passwords
 within about half a minute), or while its last one is under `RECENT_S` old (a client
-retrying at once). A flooding address sends its second within a fraction of a second and
-its score only grows; an address with a single wrong password some seconds ago is
+retrying at once; a scraper retries at its next scrape, 10 s or more later). A flooding
+address sends its second within a second or two, even on a loaded host, and its score
+only grows; an address with a single wrong password some seconds ago is
 served like one never checked. Holding the light class costs an attacker an address per
 wrong password every ~95 s (its score must fall back below `SUSPECT_SCORE`), no more
 than a fresh address buys already.
@@ -24,7 +25,7 @@ __all__ = ["HALF_LIFE_S", "RECENT_S", "SUSPECT_SCORE", "Failures"]
 
 HALF_LIFE_S = 60.0
 SUSPECT_SCORE = 1.5
-RECENT_S = 1.0
+RECENT_S = 3.0
 
 
 class Failures:

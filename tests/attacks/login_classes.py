@@ -112,7 +112,8 @@ def _one_flood(addresses: int, logins: int) -> dict[str, Any]:
             "timed_out": sum(s == -1 for s, _ in got),
             "median_ms": percentile(ok, 50) * 1e3,
             "max_ms": max(ok) * 1e3 if ok else float("nan"),
-            "statuses": sorted(s for s, _ in got),
+            "statuses": [s for s, _ in got],
+            "ms": [round(t * 1e3) for _, t in got],
         }
     return rows
 
