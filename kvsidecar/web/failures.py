@@ -13,6 +13,10 @@ only grows; an address with a single wrong password some seconds ago is
 served like one never checked. Holding the light class costs an attacker an address per
 wrong password every ~95 s (its score must fall back below `SUSPECT_SCORE`), no more
 than a fresh address buys already.
+
+`Scores` counts the same way what else an address does often: the front counts each
+address's bcrypt-bound requests, and at its cap closes a waiting login of the address
+that sent the most of them lately (a flood retrying at once), not the oldest waiting.
 """
 
 from __future__ import annotations
@@ -21,16 +25,16 @@ import time
 from collections import OrderedDict
 from collections.abc import Callable
 
-__all__ = ["HALF_LIFE_S", "RECENT_S", "SUSPECT_SCORE", "Failures"]
+__all__ = ["HALF_LIFE_S", "RECENT_S", "SUSPECT_SCORE", "Failures", "Scores"]
 
 HALF_LIFE_S = 60.0
 SUSPECT_SCORE = 1.5
 RECENT_S = 3.0
 
 
-class Failures:
-    """Decaying wrong-credential scores of at most ``memory`` addresses (the least
-    recently failed forgotten first)."""
+class Scores:
+    """Decaying per-address counts of at most ``memory`` addresses (the least recently
+    counted forgotten first): each `add` counts 1, halved every `HALF_LIFE_S`."""
 
     def __init__(self, memory: int, clock: Callable[[], float] = time.monotonic) -> None:
         self.memory = memory
@@ -44,16 +48,20 @@ class Failures:
         return len(self._scores)
 
     def score(self, host: str) -> float:
-        """``host``'s score now: its wrong passwords, each halved per `HALF_LIFE_S` since."""
+        """``host``'s count now, each halved per `HALF_LIFE_S` since it was added."""
         score, when = self._scores.get(host, (0.0, 0.0))
         return score * 0.5 ** ((self._clock() - when) / HALF_LIFE_S) if score else 0.0
 
-    def failed(self, host: str) -> None:
+    def add(self, host: str) -> None:
         score = self.score(host) + 1.0
         self._scores.pop(host, None)
         self._scores[host] = (score, self._clock())
         if len(self._scores) > self.memory:
             self._scores.popitem(last=False)
+
+
+class Failures(Scores):
+    """Wrong credentials per address (`add` one for each)."""
 
     def suspect(self, host: str) -> bool:
         """Its checks wait until nobody else's do: several wrong passwords lately, or one

@@ -51,7 +51,7 @@ from typing import Any
 from kvsidecar.web.basic_auth import AuthGate, BasicAuth
 from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
-from kvsidecar.web.failures import Failures
+from kvsidecar.web.failures import Failures, Scores
 from kvsidecar.web.fair import CLEAN, NEWEST_FIRST, FairGate, Refused
 from kvsidecar.web.gate import FRESH_GRACE_S, PARKED_MEMORY, Gate
 from kvsidecar.web.listen_address import parse_listen_address
@@ -266,6 +266,10 @@ class _Front:
         # first login; one wrong password a while ago does not put an address behind a
         # flood (`failures.Failures`).
         self.failures = Failures(FAILED_HOSTS_MEMORY)
+        # Requests per address that waited for a bcrypt check lately (decaying): at the
+        # cap, a waiting check of the address sending the most goes first, so a flood
+        # retrying at once is refused before a scraper's one login (`_victim`).
+        self.auth_attempts = Scores(FAILED_HOSTS_MEMORY)
         # Addresses that had a bcrypt check lately, and those that logged in lately
         # (bounded, oldest forgotten): the auth gate's ranks (`basic_auth.AuthGate`).
         self.checked_hosts: OrderedDict[str, None] = OrderedDict()
@@ -327,6 +331,8 @@ class _Front:
             or self.checking
             or self.fresh
         )
+        if idle is self.checking:  # refused 429 (`_Conn.owed`): the busiest address first
+            return max(self.checking, key=lambda c: self.auth_attempts.score(c.host))
         return next(iter(idle)) if idle else None
 
     @staticmethod
@@ -699,6 +705,7 @@ class _Front:
         else:
             rank = CLEAN
         _remember(self.checked_hosts, conn.host)
+        self.auth_attempts.add(conn.host)
         try:
             ok = await self.auth_gate.run(
                 conn.host,
@@ -719,7 +726,7 @@ class _Front:
             _remember(self.good_hosts, conn.host)
             return
         conn.failures += 1
-        self.failures.failed(conn.host)
+        self.failures.add(conn.host)
 
     async def _write(
         self,
