@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import collections
 import errno
+import itertools
 import logging
 import os
 import select
@@ -67,6 +68,7 @@ READY_PATH = "/-/ready"
 PARKED_BYTES = 1024
 PARKED_MEMORY = 4 << 20  # 4,096 parked connections at most
 FRESH_GRACE_S = 1.0  # a new connection's time to send its head before it is evictable
+PEEK_CANDIDATES = 8  # young parked connections peeked at the cap for a head before closing one
 ACCEPT_BATCH = 64  # accepted per wake-up: the parked connections' events take turns
 HELLO_MEMORY = 4096  # recent ClientHello randoms: a repeat is a replay, closed before crypto
 # Addresses whose clients completed a TLS handshake lately (at most this many, and within
@@ -323,24 +325,20 @@ class Gate:
             sock = None
         if sock is not None:
             host = str(address[0]) if isinstance(address, tuple) else ""
-            victim = self._victim(time.monotonic(), host)
-            if victim is None:
-                sock.close()
-            else:
-                self._evict(victim)
+            sock.setblocking(False)
+            if self._make_room(time.monotonic(), host, _has_head(sock)):
                 self._admit(sock, host)
+            else:
+                sock.close()
         self.spare = _take_spare()
 
     def _admit(self, sock: socket.socket, host: str) -> None:
         now = time.monotonic()
-        if self.parked >= min(self.max_parked, max(16, self.room())):
-            victim = self._victim(now, host)
-            if victim is None:
-                self.rejected()
-                sock.close()  # everyone parked is new: the newcomer is refused
-                return
-            self._evict(victim)
         sock.setblocking(False)
+        if self._full() and not self._make_room(now, host, _has_head(sock)):
+            self.rejected()
+            sock.close()  # everyone parked is new and silent: the newcomer is refused
+            return
         parked = _Parked(sock, host, now, self.head_timeout_s)
         self._park(parked)
         self.parked_peak = max(self.parked_peak, self.parked)
@@ -370,26 +368,60 @@ class Gate:
             _peek(parked.sock, 0)  # unread bytes would turn our FIN into a RST
         parked.sock.close()
 
-    def _victim(self, now: float, host: str) -> _Parked | None:
-        """Who makes room for a newcomer from ``host``: the parked connection silent for
-        longest, if it had its grace to speak; else (an attacker reconnecting so fast
-        that everyone parked is young) the oldest of the address parking the most, if
-        it parks more than the newcomer's would; else the oldest complete head of the
-        address with the most waiting for the front (nothing was done for it yet, and a
-        probe, answered here, is never one)."""
+    def _full(self) -> bool:
+        return self.parked >= min(self.max_parked, max(16, self.room()))
+
+    def _make_room(self, now: float, host: str, has_head: bool) -> bool:
+        """Close a victim for a newcomer (`_victim`); False if there is none and no room."""
+        victim = self._victim(now, host, has_head)
+        if victim is None:
+            return not self._full()
+        self._evict(victim)
+        return True
+
+    def _victim(self, now: float, host: str, has_head: bool) -> _Parked | None:
+        """Who makes room for a newcomer from ``host`` (``has_head``: its whole request
+        head is already here). The parked connection silent for longest, if it had its
+        grace to speak; else (an attacker reconnecting so fast that everyone parked is
+        young) the oldest head-less connection of the address parking the most, when that
+        address is the newcomer's own (it gives up its oldest for its newest, so a
+        reconnecting flood from a probe's own address closes its own connections, not
+        the probe), parks more than the newcomer's would, or the newcomer brought a
+        whole head (a request never goes for a connection that has sent none); else the
+        oldest complete head of the address with the most waiting for the front
+        (refused with a 503: nothing was done for it yet, and a probe, answered here,
+        is never one). None: the newcomer, young and head-less, is refused."""
         for sock in self.by_progress:
             parked = self.by_deadline[sock]
             if now - parked.born >= FRESH_GRACE_S:
                 return parked
             break  # the least recently progressed is also young: so is everyone
         if self.by_host:
-            heaviest = max(self.by_host.values(), key=len)
-            if len(heaviest) > len(self.by_host.get(host, ())) + 1:
-                return self.by_deadline[next(iter(heaviest))]
+            heaviest_host = max(self.by_host, key=lambda h: len(self.by_host[h]))
+            heaviest = self.by_host[heaviest_host]
+            mine = len(self.by_host.get(host, ()))
+            if has_head or heaviest_host == host or len(heaviest) > mine + 1:
+                return self._silent_oldest(heaviest)
         if self.queued:
-            heaviest = max(self.queued.values(), key=len)
-            return heaviest[0]
+            heaviest_queue = max(self.queued.values(), key=len)
+            return heaviest_queue[0]
         return None
+
+    def _silent_oldest(self, conns: OrderedDict[socket.socket, None]) -> _Parked | None:
+        """The oldest of ``conns`` that has sent nothing yet, its bytes peeked now: one
+        that has (a probe whose head arrived since its readable edge, not yet handled)
+        is handled at once instead, answered or handed on, never closed unheard. None
+        when that made room; the oldest if all `PEEK_CANDIDATES` looked at spoke."""
+        for sock in list(itertools.islice(conns, PEEK_CANDIDATES)):
+            parked = self.by_deadline.get(sock)
+            if parked is None:
+                continue
+            if _peek(sock) is None:
+                return parked
+            self._readable(sock)
+            if not self._full():
+                return None
+        return next((self.by_deadline[s] for s in conns), None)
 
     def _evict(self, parked: _Parked) -> None:
         self.evicted += 1
@@ -397,9 +429,20 @@ class Gate:
         queue = self.queued.get(parked.host)
         if queue and queue[0] is parked:
             self._dequeue(parked, queue)
-            parked.sock.close()
+            self._refuse(parked)
             return
         self._close(parked)
+
+    def _refuse(self, parked: _Parked) -> None:
+        """Close a complete head the front never took, told why: a request (credentials
+        included) is answered or refused with a status, never dropped unanswered. TLS:
+        only its hello is here, nothing can be said before a handshake."""
+        if not self.tls:
+            body = b"503 too many connections, try again later\n"
+            self._send_headers(parked, 503, body, {"Retry-After": "1"})
+            self.observe("other", 503, 0.0)
+        _peek(parked.sock, 0)  # the unread head would turn our FIN into a RST
+        parked.sock.close()
 
     def _expire(self, now: float) -> float | None:
         """Close connections past their head deadline; the select timeout until the next."""
@@ -548,7 +591,13 @@ class Gate:
         self, parked: _Parked, status: int, body: bytes, close: bool, head_only: bool,
         version: tuple[int, int] = (1, 1),
     ) -> bool:  # fmt: skip
-        headers = dict(self.headers())
+        return self._send_headers(parked, status, body, {}, close, head_only, version)
+
+    def _send_headers(
+        self, parked: _Parked, status: int, body: bytes, headers: Mapping[str, str],
+        close: bool = True, head_only: bool = False, version: tuple[int, int] = (1, 1),
+    ) -> bool:  # fmt: skip
+        headers = {**self.headers(), **headers}
         if version < (1, 1) and not close:
             headers["Connection"] = "keep-alive"
         items = [("Content-Type", _PLAIN), ("Content-Length", str(len(body))), *headers.items()]
@@ -633,7 +682,7 @@ class Gate:
                     self.rejected()
                     expired = queue[0]
                     self._dequeue(expired, queue)  # waited its whole deadline for the front
-                    expired.sock.close()
+                    self._refuse(expired)
         room = self.front_room() - (self.sent - self.taken)
         while self.queued and room > 0:
             # TLS: the round of addresses that completed handshakes lately goes first.
@@ -679,6 +728,12 @@ def _peek(sock: socket.socket, flags: int = socket.MSG_PEEK) -> bytes | None:
         return None
     except OSError:
         return b""
+
+
+def _has_head(sock: socket.socket) -> bool:
+    """A newcomer's whole request head is already in its receive buffer."""
+    data = _peek(sock)
+    return bool(data) and _head_end(data) >= 0
 
 
 def _shut_down(sock: socket.socket) -> bool:

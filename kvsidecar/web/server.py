@@ -51,6 +51,7 @@ from typing import Any
 from kvsidecar.web.basic_auth import AuthGate, BasicAuth
 from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
+from kvsidecar.web.failures import Failures, Scores
 from kvsidecar.web.fair import CLEAN, NEWEST_FIRST, FairGate, Refused
 from kvsidecar.web.gate import FRESH_GRACE_S, PARKED_MEMORY, Gate
 from kvsidecar.web.listen_address import parse_listen_address
@@ -129,7 +130,9 @@ class _Conn:
     peer: str  # host:port, for the log
     host: str  # the address alone: the auth queue's fairness key
     task: asyncio.Task | None = None
-    failed: bool = False  # sent wrong credentials: its next checks queue last
+    # Wrong credentials it sent: from the second on (a flood over keep-alive), its next
+    # checks queue last; one (a credential rotation) is its address's score's business.
+    failures: int = 0
     # Completed a ClientHello or a request head: while idle, closed at the cap only after
     # those that never did (tricklers), so reconnecting tricklers from a probe's own
     # address cannot close the probe mid-handshake whatever the cap.
@@ -137,6 +140,20 @@ class _Conn:
     born: float = field(default_factory=time.monotonic)
     # Holds one of the front's `HANDSHAKE_PLACES` until its first handshake step is done.
     hello_place: Callable[[], None] | None = None
+    # What it is told if closed at the cap while its credentials wait (for a bcrypt turn,
+    # or sitting out a wrong password's pause): a request that presented credentials is
+    # answered or refused with a status, never dropped (issue 43 item 3).
+    owed: bytes | None = None
+
+
+_AUTH_BUSY = b"429 too many authentication attempts, try again later\n"
+_FRONT_FULL = b"503 too many connections, try again later\n"
+
+
+def _refusal(status: int, body: bytes, headers: Mapping[str, str]) -> bytes:
+    """A whole answer that closes the connection, to write at once when it is closed."""
+    items = [("Content-Type", _PLAIN), ("Content-Length", str(len(body))), *headers.items()]
+    return response_head(status, items, close=True) + body
 
 
 async def _read_head(reader: asyncio.StreamReader | TLSReader, lines: list[bytes]) -> bool:
@@ -243,10 +260,16 @@ class _Front:
         # Connections whose first credentials wait for a bcrypt turn: evictable last, for
         # the same reason (a queue of distinct wrong passwords must not hold the cap).
         self.checking: OrderedDict[_Conn, None] = OrderedDict()
-        # Addresses that sent wrong credentials lately (bounded, oldest forgotten): a new
-        # connection from one is suspect from its first check, so reconnecting after an
-        # eviction does not buy an attacker the protection of a first login.
-        self.failed_hosts: OrderedDict[str, None] = OrderedDict()
+        # Addresses that sent wrong credentials lately, as decaying scores (bounded, oldest
+        # forgotten): a new connection from a suspect one is suspect from its first check,
+        # so reconnecting after an eviction does not buy an attacker the protection of a
+        # first login; one wrong password a while ago does not put an address behind a
+        # flood (`failures.Failures`).
+        self.failures = Failures(FAILED_HOSTS_MEMORY)
+        # Requests per address that waited for a bcrypt check lately (decaying): at the
+        # cap, a waiting check of the address sending the most goes first, so a flood
+        # retrying at once is refused before a scraper's one login (`_victim`).
+        self.auth_attempts = Scores(FAILED_HOSTS_MEMORY)
         # Addresses that had a bcrypt check lately, and those that logged in lately
         # (bounded, oldest forgotten): the auth gate's ranks (`basic_auth.AuthGate`).
         self.checked_hosts: OrderedDict[str, None] = OrderedDict()
@@ -308,6 +331,8 @@ class _Front:
             or self.checking
             or self.fresh
         )
+        if idle is self.checking:  # refused 429 (`_Conn.owed`): the busiest address first
+            return max(self.checking, key=lambda c: self.auth_attempts.score(c.host))
         return next(iter(idle)) if idle else None
 
     @staticmethod
@@ -346,7 +371,14 @@ class _Front:
 
     def _drop(self, conn: _Conn) -> None:
         self._forget(conn)
-        conn.writer.transport.abort()
+        owed, conn.owed = conn.owed, None
+        if owed is None:
+            conn.writer.transport.abort()
+        else:
+            # A few hundred bytes into an idle send buffer: written now, then closed.
+            with contextlib.suppress(OSError, ssl.SSLError, RuntimeError):
+                conn.writer.write(owed)
+            conn.writer.transport.close()
         if conn.task is not None and conn.task is not asyncio.current_task(self.loop):
             conn.task.cancel()
 
@@ -422,7 +454,13 @@ class _Front:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self._admit(conn):
-            writer.transport.abort()
+            if self.gate is not None and not self.gate.tls:
+                # A whole head came from the gate (credentials, maybe): refused with a
+                # status, not dropped. TLS: nothing can be said before a handshake.
+                conn.owed = _refusal(503, _FRONT_FULL, {"Retry-After": "1"})
+                self._drop(conn)
+            else:
+                writer.transport.abort()
             return
         writer.transport.set_write_buffer_limits(high=WRITE_CHUNK)
         try:
@@ -579,19 +617,21 @@ class _Front:
         ):
             if verdict is None:
                 headers["Retry-After"] = "1"
-                status, body = 429, b"429 too many authentication attempts, try again later\n"
+                status, body = 429, _AUTH_BUSY
             else:
+                headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
+                status, body = 401, b"401 unauthorized\n"
                 if request.header("authorization"):
                     # Wrong credentials answer after a pause (known and unknown users
                     # alike): a coroutine asleep costs nothing, and a flood repeating a
                     # cached wrong password can no longer saturate the loop.
                     self.failing[conn] = None  # evictable first while it sits out the pause
+                    conn.owed = _refusal(status, body, headers)  # its 401, without the pause
                     try:
                         await asyncio.sleep(FAILED_AUTH_DELAY_S)
                     finally:
+                        conn.owed = None
                         self.failing.pop(conn, None)
-                headers["WWW-Authenticate"] = f'Basic realm="{web.realm}"'
-                status, body = 401, b"401 unauthorized\n"
         elif not known:
             status, body = 404, b"404 page not found\n"
         else:
@@ -652,16 +692,20 @@ class _Front:
             self._note_outcome(conn, cached)
             return cached
         auth = state.auth
-        suspect = conn.failed or conn.host in self.failed_hosts
+        suspect = conn.failures >= 2 or self.failures.suspect(conn.host)
         tier = self.failing if suspect else self.checking
         tier[conn] = None  # queued for bcrypt: closable at the cap (see self.failing)
+        conn.owed = _refusal(429, _AUTH_BUSY, {"Retry-After": "1"})  # if closed so
         if conn.host in self.good_hosts:
             rank = 0
-        elif conn.host not in self.checked_hosts:
+        elif conn.host not in self.checked_hosts or conn.host in self.failures:
+            # Never checked, or one wrong password a while ago (`failures.Failures`):
+            # the newest first, so a flood that began earlier delays it by one check.
             rank = NEWEST_FIRST
         else:
             rank = CLEAN
         _remember(self.checked_hosts, conn.host)
+        self.auth_attempts.add(conn.host)
         try:
             ok = await self.auth_gate.run(
                 conn.host,
@@ -671,6 +715,7 @@ class _Front:
                 rank=rank,
             )
         finally:
+            conn.owed = None
             tier.pop(conn, None)
         if ok is not None:
             self._note_outcome(conn, ok)
@@ -680,8 +725,8 @@ class _Front:
         if ok:
             _remember(self.good_hosts, conn.host)
             return
-        conn.failed = True
-        _remember(self.failed_hosts, conn.host)
+        conn.failures += 1
+        self.failures.add(conn.host)
 
     async def _write(
         self,

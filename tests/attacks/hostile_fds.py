@@ -35,6 +35,7 @@ from collections.abc import Callable, Iterator
 from typing import Any
 
 from kvsidecar.bench.fleet import fd_count, proc_stat, start_daemon, stop_daemon
+from kvsidecar.bench.report import percentile
 from kvsidecar.protocol.writer import SegmentWriter
 from tests.attacks.hostile_clients import _probe, _raise_nofile, _self_signed
 from tests.attacks.hostile_front import ATTACK_ADDRESS, rsa_self_signed, web_config_for
@@ -45,13 +46,14 @@ IDLE_CONNECTIONS = 1000
 
 
 class IdleClients:
-    """``n`` connections from `ATTACK_ADDRESS` that send nothing (or, with ``ctx``, only
+    """``n`` connections from ``source`` that send nothing (or, with ``ctx``, only
     what ``opening`` sends), from one selector thread; closed ones are reopened."""
 
     def __init__(
-        self, port: int, n: int, opening: Callable[[socket.socket], socket.socket] | None = None
-    ) -> None:
-        self.port, self.n, self.opening = port, n, opening
+        self, port: int, n: int, opening: Callable[[socket.socket], socket.socket] | None = None,
+        source: str = ATTACK_ADDRESS,
+    ) -> None:  # fmt: skip
+        self.port, self.n, self.opening, self.source = port, n, opening, source
         self.open = 0
         self.connects = 0  # attempted
         self.reopened = 0
@@ -70,7 +72,7 @@ class IdleClients:
         s = socket.socket()
         self.connects += 1
         try:
-            s.bind((ATTACK_ADDRESS, 0))
+            s.bind((self.source, 0))
             if self.opening is not None:
                 s.settimeout(30)
                 s.connect(("127.0.0.1", self.port))
@@ -195,9 +197,13 @@ def up_count(port: int) -> int:
     return -1 if up is None else len(up)
 
 
-def run_fdlimit(*, quick: bool = False, probes: int = 4) -> dict[str, Any]:
+def run_fdlimit(
+    *, quick: bool = False, probes: int = 4, same_address: bool = False
+) -> dict[str, Any]:
     """Probes answered and a new engine served beside 256 segments and 1,000 idle
-    connections under a hard limit of 1,024 open files."""
+    connections under a hard limit of 1,024 open files; ``same_address``: the idle
+    connections come from the prober's own address, 127.0.0.1 (a kubelet shares the
+    node's address with every hostNetwork pod)."""
     _raise_nofile(IDLE_CONNECTIONS + 256)
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-fdlimit-", dir="/dev/shm")
     names = [segment_name(i) for i in range(SEGMENTS)]
@@ -214,12 +220,13 @@ def run_fdlimit(*, quick: bool = False, probes: int = 4) -> dict[str, Any]:
             while up_count(port) < SEGMENTS and time.monotonic() < deadline:
                 time.sleep(0.2)
             followed = up_count(port)
-            attack = IdleClients(port, IDLE_CONNECTIONS).start()
+            source = "127.0.0.1" if same_address else ATTACK_ADDRESS
+            attack = IdleClients(port, IDLE_CONNECTIONS, source=source).start()
             time.sleep(3.0)  # every idle client connected (or refused)
             samples = []
             for _ in range(probes):
                 samples.append(_probe(port, "/-/healthy", None, timeout=5.0))
-                time.sleep(0.5)
+                time.sleep(0.5 if probes <= 4 else 0.1)
             pids.append(fork_writers(shm_dir, [new]))
             t0 = time.monotonic()
             wait = 5.0 if quick else 10.0  # 10-20 rediscover intervals
@@ -239,11 +246,13 @@ def run_fdlimit(*, quick: bool = False, probes: int = 4) -> dict[str, Any]:
         "segments": SEGMENTS,
         "segments_served_before_attack": followed,
         "idle_connections": IDLE_CONNECTIONS,
+        "idle_from": source,
         "idle_open_client_side": idle_open,
         "idle_reopened": reopened,
         "probes": len(samples),
         "probes_answered": sum(ok for ok, _ in samples),
         "probe_ms": [round(t * 1e3, 1) for _, t in samples],
+        "probe_p99_ms": percentile([t for ok, t in samples if ok], 99) * 1e3,
         "new_engine_served": ok,
         "new_engine_served_after_s": served_s,
         "daemon_fds": fds,
