@@ -110,13 +110,16 @@ def check(snapshot: Snapshot, limits: budget.Budget, rows: list | None = None) -
     limit = limits.max_label_length
     series = budget.HEALTH_SERIES + 1 + len(md.POOL_DERIVED) * (len(rows) - 1)
     too_long = False
-    for kind, values in rows:
-        strings = tuple(filter(None, kind.strings(values)))
-        # At most 4 UTF-8 bytes a character: only a string longer than limit / 4 is measured.
-        if strings and max(map(len, strings)) * 4 > limit:
-            too_long = too_long or any(budget.utf8_len(s) > limit for s in strings)
-        counted = kind.series(values)
-        series += len(counted) - counted.count(None)
+    try:
+        for kind, values in rows:
+            strings = tuple(filter(None, kind.strings(values)))
+            # At most 4 UTF-8 bytes a character: only a string over limit / 4 is measured.
+            if strings and max(map(len, strings)) * 4 > limit:
+                too_long = too_long or any(budget.utf8_len(s) > limit for s in strings)
+            counted = kind.series(values)
+            series += len(counted) - counted.count(None)
+    except (TypeError, AttributeError):  # not a str where the schema says one
+        too_long = True
     if too_long or series > limits.max_series_per_target:
         _slow(len(rows))
         budget.check(snapshot, limits)  # raises, worded as ever
@@ -127,7 +130,11 @@ def identity_error(snapshot: Snapshot, rows: list | None = None) -> str | None:
     rows = rows if rows is not None else rows_of(snapshot)
     for kind, values in rows:
         ids = kind.identity(values)
-        if ids and not (min(ids) >= 0 and max(ids) < INT_LIMIT):
+        try:
+            plain = not ids or (min(ids) >= 0 and max(ids) < INT_LIMIT)
+        except TypeError:  # not a number: budget.py's check says what it says of it
+            plain = False
+        if not plain:
             _slow(len(rows))
             return budget.identity_error(snapshot)
     return None
