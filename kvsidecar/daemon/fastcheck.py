@@ -1,19 +1,21 @@
-"""The poller's checks of a new snapshot (budget.py), whole-record first.
+"""The poller's checks of a new snapshot (budget.py), on whole tuples rather than fields.
 
 `check`, `identity_error` and `sanitize` in `kvsidecar.daemon.budget` look at each field
-of each record in Python: for a 4-pool snapshot, ~200 field reads and range checks, ~60 %
-of a gateway poll that finds a new step (docs/gateway.md, "The cost of a poll"). Here each
-record is turned into a tuple once (`msgspec.structs.astuple`, in C) and each check reads
-the fields it needs with one `itemgetter` and decides them with one C call (`len`, `max`,
-`min`, `sum`, `tuple.count`): a record that passes is decided without a Python loop over
-its fields. One that does not (a label too long, too many series, a value out of range,
-anything unusual) is handed to budget.py's own functions, which decide it exactly as
-before and word the refusal. So every field is still checked on every new snapshot; only
-how is changed, and the verdict is budget.py's whenever a record is not plainly in range
-(tests/daemon/test_fastcheck.py checks both on random snapshots).
+of each record in Python: for a 4-pool snapshot ~200 field reads and range checks, most of
+a gateway poll that finds a new step (docs/gateway.md, "The cost of a poll"). Here each
+record is turned into a tuple once (`msgspec.structs.astuple`, in C), the fields each check
+needs are gathered across the records (`itemgetter`) and decided with a few C calls
+(`len`, `max`, `min`, `sum`, `tuple.count`): a snapshot in range is decided without a
+Python loop over its fields. One that is not plainly in range (a label too long, too many
+series, a value out of range, anything unusual) is handed to budget.py's own functions,
+which decide it exactly as before and word the refusal. So every field is still checked
+on every new snapshot; only how is changed, and the verdict is budget.py's whenever the
+snapshot is not plainly in range (tests/daemon/test_fullcheck_work.py checks both on
+random snapshots). The identity fields (8 for 4 pools) are left to
+budget.identity_error, already cheap.
 
-``records`` counts the records budget.py's per-field checks looked at (the work this
-avoids; 0 for a snapshot in range).
+``records`` counts the records budget.py's per-field checks were handed (0 for a snapshot
+in range).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from __future__ import annotations
 import math
 import operator
 from collections.abc import Callable
+from itertools import chain
 
 import msgspec
 
@@ -28,7 +31,7 @@ from kvsidecar.daemon import budget
 from kvsidecar.daemon import metric_defs as md
 from kvsidecar.protocol.schema import INT_LIMIT, KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 
-__all__ = ["RecordChecks", "check", "identity_error", "records", "rows_of", "sanitize"]
+__all__ = ["Facts", "RecordChecks", "check", "records", "sanitize"]
 
 _astuple = msgspec.structs.astuple
 
@@ -57,7 +60,6 @@ class RecordChecks:
         names = record.__struct_fields__
         self.strings = _getter(record, tuple(f for f in names if f not in values + identity))
         self.values = _getter(record, values)
-        self.identity = _getter(record, identity)
         self.series = _getter(record, series)
 
 
@@ -78,15 +80,56 @@ POOL = RecordChecks(
 records = 0
 
 
-def _slow(n: int) -> None:
+class Facts:
+    """One snapshot's fields, gathered by group across its records: each tuple once."""
+
+    __slots__ = ("count", "series", "strings", "values")
+
+    def __init__(self, snapshot: Snapshot) -> None:
+        rt = _astuple(snapshot.runtime)
+        pools = [_astuple(p) for p in snapshot.pools]
+        self.count = 1 + len(pools)
+        self.strings = RUNTIME.strings(rt) + _joined(POOL.strings, pools)
+        self.values = RUNTIME.values(rt) + _joined(POOL.values, pools)
+        self.series = RUNTIME.series(rt) + _joined(POOL.series, pools)
+
+
+def _joined(get: Callable[[tuple], tuple], records: list[tuple]) -> tuple:
+    return tuple(chain.from_iterable(map(get, records)))
+
+
+def _slow(facts: Facts) -> None:
     global records
-    records += n
+    records += facts.count
 
 
-def rows_of(snapshot: Snapshot) -> list[tuple[RecordChecks, tuple]]:
-    rows = [(RUNTIME, _astuple(snapshot.runtime))]
-    rows += [(POOL, _astuple(p)) for p in snapshot.pools]
-    return rows
+def check(snapshot: Snapshot, limits: budget.Budget, facts: Facts | None = None) -> None:
+    """budget.check: raise `OverBudget` for a label longer than --max-label-length or more
+    series than --max-series-per-target."""
+    facts = facts or Facts(snapshot)
+    limit = limits.max_label_length
+    pools = facts.count - 1
+    series = budget.HEALTH_SERIES + 1 + len(md.POOL_DERIVED) * pools
+    series += len(facts.series) - facts.series.count(None)
+    try:
+        strings = tuple(filter(None, facts.strings))
+        # At most 4 UTF-8 bytes a character: only a string over limit / 4 is measured.
+        too_long = bool(strings) and max(map(len, strings)) * 4 > limit
+        too_long = too_long and any(budget.utf8_len(s) > limit for s in strings)
+    except (TypeError, AttributeError):  # not a str where the schema says one
+        too_long = True
+    if too_long or series > limits.max_series_per_target:
+        _slow(facts)
+        budget.check(snapshot, limits)  # raises, worded as ever
+
+
+def sanitize(snapshot: Snapshot, facts: Facts | None = None) -> tuple[Snapshot, dict[str, int]]:
+    """budget.sanitize: out-of-range values set to None, and {field: count} rejected."""
+    facts = facts or Facts(snapshot)
+    if _in_range(facts.values):
+        return snapshot, {}
+    _slow(facts)
+    return budget.sanitize(snapshot)
 
 
 def _in_range(values: tuple) -> bool:
@@ -101,49 +144,3 @@ def _in_range(values: tuple) -> bool:
         return min(nonzero) >= 0 and max(nonzero) < INT_LIMIT and math.isfinite(sum(nonzero))
     except (TypeError, OverflowError):
         return False
-
-
-def check(snapshot: Snapshot, limits: budget.Budget, rows: list | None = None) -> None:
-    """budget.check: raise `OverBudget` for a label longer than --max-label-length or more
-    series than --max-series-per-target."""
-    rows = rows if rows is not None else rows_of(snapshot)
-    limit = limits.max_label_length
-    series = budget.HEALTH_SERIES + 1 + len(md.POOL_DERIVED) * (len(rows) - 1)
-    too_long = False
-    try:
-        for kind, values in rows:
-            strings = tuple(filter(None, kind.strings(values)))
-            # At most 4 UTF-8 bytes a character: only a string over limit / 4 is measured.
-            if strings and max(map(len, strings)) * 4 > limit:
-                too_long = too_long or any(budget.utf8_len(s) > limit for s in strings)
-            counted = kind.series(values)
-            series += len(counted) - counted.count(None)
-    except (TypeError, AttributeError):  # not a str where the schema says one
-        too_long = True
-    if too_long or series > limits.max_series_per_target:
-        _slow(len(rows))
-        budget.check(snapshot, limits)  # raises, worded as ever
-
-
-def identity_error(snapshot: Snapshot, rows: list | None = None) -> str | None:
-    """budget.identity_error: the first identity field out of [0, 2^63), else None."""
-    rows = rows if rows is not None else rows_of(snapshot)
-    for kind, values in rows:
-        ids = kind.identity(values)
-        try:
-            plain = not ids or (min(ids) >= 0 and max(ids) < INT_LIMIT)
-        except TypeError:  # not a number: budget.py's check says what it says of it
-            plain = False
-        if not plain:
-            _slow(len(rows))
-            return budget.identity_error(snapshot)
-    return None
-
-
-def sanitize(snapshot: Snapshot, rows: list | None = None) -> tuple[Snapshot, dict[str, int]]:
-    """budget.sanitize: out-of-range values set to None, and {field: count} rejected."""
-    rows = rows if rows is not None else rows_of(snapshot)
-    if all(_in_range(kind.values(values)) for kind, values in rows):
-        return snapshot, {}
-    _slow(len(rows))
-    return budget.sanitize(snapshot)

@@ -25,6 +25,7 @@ from kvsidecar.daemon.budget import (
     OverBudget,
     exposition_estimate,
     health_estimate,
+    identity_error,
     reject_future_stamps,
 )
 from kvsidecar.daemon.refusals import bump
@@ -308,15 +309,15 @@ class Target:
             result = msgspec.structs.replace(result, snapshot=v.last.snapshot)
         else:
             # budget.py's checks, each record decided whole in C where it is in range.
-            rows = fastcheck.rows_of(result.snapshot)
+            facts = fastcheck.Facts(result.snapshot)
             try:
-                fastcheck.check(result.snapshot, self.budget, rows)
+                fastcheck.check(result.snapshot, self.budget, facts)
             except OverBudget as e:
                 return self._over_budget(v, e, now)
-            wrong = fastcheck.identity_error(result.snapshot, rows)
+            wrong = identity_error(result.snapshot)
             if wrong is not None:
                 return self._failed(v, Corrupt(f"segment {self.name}: {wrong}"), now)
-            snapshot, rejected = fastcheck.sanitize(result.snapshot, rows)
+            snapshot, rejected = fastcheck.sanitize(result.snapshot, facts)
             for f in result.rejected:  # wrong types, already None from the reader
                 rejected[f] = rejected.get(f, 0) + 1
             if rejected:

@@ -134,7 +134,6 @@ def test_fastcheck_decides_as_budget_py(data: st.DataObject, pools: int, label: 
     )
     limits = budget.Budget(max_label_length=label, max_series_per_target=series)
     assert _outcome(fastcheck.check, snapshot, limits) == _outcome(budget.check, snapshot, limits)
-    assert fastcheck.identity_error(snapshot) == budget.identity_error(snapshot)
     fast, slow = fastcheck.sanitize(snapshot), budget.sanitize(snapshot)
     assert fast[1] == slow[1]
     assert msgspec.msgpack.encode(fast[0]) == msgspec.msgpack.encode(slow[0])
