@@ -16,8 +16,10 @@ from hypothesis import strategies as st
 
 from kvsidecar.bench.fleet import realistic_snapshot
 from kvsidecar.daemon import budget, fastcheck
+from kvsidecar.daemon import gateway_body as gb
 from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.gateway import Gateway
+from kvsidecar.daemon.gateway_template import Templates
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol.schema import INT_LIMIT, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
@@ -137,3 +139,29 @@ def test_fastcheck_decides_as_budget_py(data: st.DataObject, pools: int, label: 
     fast, slow = fastcheck.sanitize(snapshot), budget.sanitize(snapshot)
     assert fast[1] == slow[1]
     assert msgspec.msgpack.encode(fast[0]) == msgspec.msgpack.encode(slow[0])
+
+
+_TEMPLATES = Templates()  # one for every example: its kept text meets many snapshots
+_ENGINES = st.sampled_from(["vllm", "sglang", "atom", "kvcached", "unknown"])
+_ROLES = st.sampled_from(["prefill", "decode", "both", "x"])
+_LABEL_TEXT = st.sampled_from(["m", "Qwen/Qwen3-8B", 'a"b\\c\nd', "é🙂", ""])
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(data=st.data(), pools=st.integers(0, 4), engine=_ENGINES, model=_LABEL_TEXT,
+       role=_ROLES, now=st.integers(0, 2**63 - 1))  # fmt: skip
+def test_the_kept_text_body_equals_gateway_body_render(
+    data: st.DataObject, pools: int, engine: str, model: str, role: str, now: int
+) -> None:
+    base = realistic_snapshot(max(pools, 1))
+    runtime = msgspec.structs.replace(
+        _vary(base.runtime, data), engine=engine, model_name=model, role=role
+    )
+    snapshot = Snapshot(runtime=runtime, pools=[_vary(p, data) for p in base.pools[:pools]])
+    try:
+        want = gb.render(snapshot, now)
+    except (TypeError, ValueError, OverflowError, ZeroDivisionError) as e:
+        with pytest.raises(type(e)):
+            _TEMPLATES.render(snapshot, now)
+        return
+    assert _TEMPLATES.render(snapshot, now) == want
