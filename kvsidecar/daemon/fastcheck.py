@@ -13,9 +13,6 @@ on every new snapshot; only how is changed, and the verdict is budget.py's whene
 snapshot is not plainly in range (tests/daemon/test_fullcheck_work.py checks both on
 random snapshots). The identity fields (8 for 4 pools) are left to
 budget.identity_error, already cheap.
-
-``records`` counts the records budget.py's per-field checks were handed (0 for a snapshot
-in range).
 """
 
 from __future__ import annotations
@@ -31,7 +28,7 @@ from kvsidecar.daemon import budget
 from kvsidecar.daemon import metric_defs as md
 from kvsidecar.protocol.schema import INT_LIMIT, KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 
-__all__ = ["Facts", "RecordChecks", "check", "records", "sanitize"]
+__all__ = ["Facts", "RecordChecks", "check", "sanitize"]
 
 _astuple = msgspec.structs.astuple
 
@@ -76,9 +73,6 @@ POOL = RecordChecks(
     tuple(m.field for m in md.POOL),
 )
 
-# How many records budget.py's per-field checks were asked about (the slow path).
-records = 0
-
 
 class Facts:
     """One snapshot's fields, gathered by group across its records: each tuple once."""
@@ -98,11 +92,6 @@ def _joined(get: Callable[[tuple], tuple], records: list[tuple]) -> tuple:
     return tuple(chain.from_iterable(map(get, records)))
 
 
-def _slow(facts: Facts) -> None:
-    global records
-    records += facts.count
-
-
 def check(snapshot: Snapshot, limits: budget.Budget, facts: Facts | None = None) -> None:
     """budget.check: raise `OverBudget` for a label longer than --max-label-length or more
     series than --max-series-per-target."""
@@ -119,7 +108,6 @@ def check(snapshot: Snapshot, limits: budget.Budget, facts: Facts | None = None)
     except (TypeError, AttributeError):  # not a str where the schema says one
         too_long = True
     if too_long or series > limits.max_series_per_target:
-        _slow(facts)
         budget.check(snapshot, limits)  # raises, worded as ever
 
 
@@ -128,7 +116,6 @@ def sanitize(snapshot: Snapshot, facts: Facts | None = None) -> tuple[Snapshot, 
     facts = facts or Facts(snapshot)
     if _in_range(facts.values):
         return snapshot, {}
-    _slow(facts)
     return budget.sanitize(snapshot)
 
 
