@@ -22,7 +22,7 @@ counter), aborts streams mid-way and resets the prefix cache (``POST
   (the new writer's empty state), then the new engine's events); the daemon SIGKILLed
   mid-load and restarted (with a replay buffer of 4 batches); a subscriber that missed
   more batches than that buffer; the daemon stopped (SIGSTOP) while the engine wrote more
-  than its KV-event ring (512 records, set by the probe for the second engine);
+  than its KV-event ring (64 records, set by the probe for the second engine);
 * the same checks, applied to consumers broken on purpose (kv_consumer.py's sabotages: an
   event dropped, removals missed, ``AllBlocksCleared`` ignored, a publisher restart
   ignored), find the first three wrong (the last one is wrong only when it missed the
@@ -66,7 +66,7 @@ CLEARED = ["AllBlocksCleared", {"type": "AllBlocksCleared"}]
 PREFIX = 96  # three blocks of 32 tokens shared by many prompts
 PROBE = ROOT / "tests" / "engines" / "vllm_pool_probe"  # test-only: the engine's own set
 BUFFER_STEPS = 4  # the restarted daemon's replay buffer: a stalled subscriber passes it
-RING = 512  # the restarted engine's KV-event ring (records): a stopped daemon laps it
+RING = 64  # the restarted engine's KV-event ring (records): one round (~130) laps it
 
 
 def replay(port: int, start: int = 0, wait_s: float = 5.0) -> list[bytes] | None:
@@ -468,8 +468,8 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
         finally:
             os.kill(daemon.pid, signal.SIGCONT)
         checks.check("daemon stopped past the ring", engine_set(server, port, dump))
-        assert "rebuild from the table" in log2.read_text()
         print(f"phase 3: {time.monotonic() - t0:.0f} s; broken consumers caught: {checks.caught}")
+        assert "rebuild from the table" in log2.read_text()  # it did fall behind the ring
         # The same checks catch each consumer broken on purpose.
         assert set(checks.caught) >= {"drop_event", "miss_removal", "ignore_clear"}, checks.caught
     finally:

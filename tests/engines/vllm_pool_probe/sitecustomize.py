@@ -9,8 +9,7 @@ the engine core's main thread (the only one that changes the pool, blocked on it
 queue while idle) and writes, atomically, the keys of vLLM's
 ``BlockPool.cached_block_hash_to_block`` (every BlockPool in the process, found by the
 garbage collector, its frozen heap included: nothing in vLLM or kvsidecar is wrapped), each
-as [hash in vLLM's int
-form (the low 64 bits, as its KV events carry it), KV-cache group].
+as [hash in vLLM's int form (the low 64 bits, as its KV events carry it), KV-cache group].
 
 ``KVSIDECAR_TEST_KV_RING=<power of two>`` shrinks the agent's KV-event ring (the layout's
 default, read when the recorder is built), so that a stopped daemon falls behind it
