@@ -54,6 +54,7 @@ import zmq
 
 from kvsidecar.bench import fleet
 from kvsidecar.bench import vllm as vb
+from kvsidecar.protocol.kv_events_reader import KVEventsReader
 from kvsidecar.streams.kv_events_wire import END_SEQ
 from tests.engines.envs import ROOT, engine_python, vllm_server_env
 from tests.engines.test_vllm_scheduler import ENVS, _results
@@ -423,6 +424,10 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
             return got is not None and len(decode(python, got)) >= len(theirs) + 3
 
         assert wait_for(attached, 60, 0.5)
+        ring = KVEventsReader("kvevents.vllm.dp0.tp0.pp0", shm_dir=str(shm))
+        assert ring.attach() is None
+        assert ring.geometry is not None and ring.geometry.ring_cap == RING
+        ring.close()
         run_pumping(checks.all, workload, port, 7, 0)
         theirs2, ours2 = settled(python, v_replay, s_replay, 3 + len(theirs))
         assert kinds(theirs2).get("BlockStored", 0) >= 3
@@ -440,7 +445,7 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
         while live.counts["BlockStored"] == stored and load.thread.is_alive():
             for c in checks.all:
                 c.pump(0.05)
-        assert load.thread.is_alive(), "the daemon dies mid-load"
+        assert load.thread.is_alive(), ("the daemon dies mid-load", load.error)
         daemon.kill()
         daemon.wait()
         log2 = tmp_path / "daemon2.log"

@@ -54,6 +54,8 @@ if _PATH:
     signal.signal(signal.SIGUSR2, _dump)
 
 if os.environ.get("KVSIDECAR_TEST_KV_RING"):
-    from kvsidecar.protocol import kv_events_layout
+    from kvsidecar.protocol import kv_events_layout, kv_events_writer
 
-    kv_events_layout.DEFAULT_RING_CAP = int(os.environ["KVSIDECAR_TEST_KV_RING"])
+    _ring = int(os.environ["KVSIDECAR_TEST_KV_RING"])
+    kv_events_layout.DEFAULT_RING_CAP = _ring  # the slots (slots_needed)
+    kv_events_writer.KVEventsWriter.__init__.__kwdefaults__["ring_cap"] = _ring  # the ring
