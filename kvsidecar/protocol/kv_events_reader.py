@@ -205,7 +205,7 @@ class KVEventsReader(MappedFile):
                     g.n_slots,
                     epoch & 0xFFFFFFFF,
                     start,
-                    SCAN_CHUNK,
+                    chunk,
                     8,
                 )
                 yield start, slot, data

@@ -28,7 +28,6 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 import msgspec
 
 from kvsidecar.protocol import kv_events_layout as kvl
-from kvsidecar.protocol import kv_events_reader
 from kvsidecar.protocol.kv_events_reader import KVEventsReader
 from kvsidecar.streams.kv_events_wire import (
     AllBlocksCleared,
@@ -186,7 +185,9 @@ def announced_state(
 # -- the full state in bounded batches --------------------------------------------------
 
 BATCH_EVENTS = 1024  # events per EventBatch (kv_events_zmq.MAX_EVENTS_PER_BATCH)
-SORT_CHUNK = 65536  # rows sorted by hash at a time (their runs are then merged)
+SORT_CHUNK = 16384  # rows sorted by hash at a time (their runs are then merged)
+# copies per table scan call: a chunk's `Rows` (Python lists) take ~500 bytes a row
+SCAN_ROWS = 2048
 
 
 class Columns:
@@ -284,9 +285,9 @@ def scan(
     chunk: int | None = None,
 ) -> tuple[int, Columns]:
     """(head loaded before the scan, the columns of the cached rows): the table read
-    SCAN_CHUNK slots at a time; ``pick(first slot, end slot, chunk's rows)`` gives the
+    ``chunk`` (SCAN_ROWS) copies at a time; ``pick(first slot, end slot, chunk's rows)`` gives the
     rows kept of each chunk (default: all), in slot order."""
-    head, _epoch, chunks = reader.cached_row_chunks(chunk or kv_events_reader.SCAN_CHUNK)
+    head, _epoch, chunks = reader.cached_row_chunks(chunk or SCAN_ROWS)
     g = reader.geometry
     assert g is not None
     columns = Columns()

@@ -15,7 +15,6 @@ pytest.importorskip("zmq", reason="pyzmq (the kvevents extra, in the dev set) is
 
 from array import array
 
-from kvsidecar.protocol import kv_events_reader
 from kvsidecar.protocol.kv_events_reader import KVEventsReader
 from kvsidecar.protocol.kv_events_writer import KVEventsWriter
 from kvsidecar.streams import kv_events_state
@@ -143,8 +142,8 @@ def test_announced_state_is_the_per_slot_path(shm_dir: str, plan, later, stale) 
 def test_the_state_in_small_chunks_is_the_same(shm_dir: str, plan, later, stale) -> None:
     """The table scanned 5 slots at a time, sorted by hash in runs of 3 rows, encoded in
     batches of 7 events: the same batches as the per-block path cut in 7s."""
-    saved = kv_events_reader.SCAN_CHUNK, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS
-    kv_events_reader.SCAN_CHUNK, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS = 5, 3, 7
+    saved = kv_events_state.SCAN_ROWS, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS
+    kv_events_state.SCAN_ROWS, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS = 5, 3, 7
     w, r = _open(shm_dir)
     try:
         _fill(w, plan)
@@ -162,7 +161,7 @@ def test_the_state_in_small_chunks_is_the_same(shm_dir: str, plan, later, stale)
         assert all(len(b) == 7 for b in got[:-1])
         assert _new_payloads([e for b in got for e in b]) == _old_payloads(r, old)
     finally:
-        kv_events_reader.SCAN_CHUNK, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS = (
+        kv_events_state.SCAN_ROWS, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS = (
             saved
         )
         r.close()
