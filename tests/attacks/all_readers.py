@@ -22,6 +22,7 @@ import subprocess
 import tempfile
 import threading
 import time
+import urllib.error
 import urllib.request
 from typing import Any
 
@@ -119,8 +120,11 @@ def run(
         size = served = gateway_bytes = 0
         while time.monotonic() < deadline:
             size, served = wt._scrape_all(url, 1)
-            with urllib.request.urlopen(f"http://127.0.0.1:{gateway}/metrics", timeout=30) as r:
-                gateway_bytes = len(r.read())
+            try:  # 503 until the gateway has a rank to serve: the body costs the same
+                with urllib.request.urlopen(f"http://127.0.0.1:{gateway}/metrics", timeout=30) as r:
+                    gateway_bytes = len(r.read())
+            except urllib.error.HTTPError as e:
+                gateway_bytes = -e.code
         return {
             "blocks": blocks,
             "subscribers": subscribers,
