@@ -224,7 +224,7 @@ class RankPublisher:
         # being sent has moved on, it waits for the next)].
         self._pending: dict[bytes, list] = {}
         # The full state being sent, shared by the answers that send it: one at a time
-        # (the answers sending an older one are dropped).
+        # (a request that cannot join it waits for it to end: WAITING).
         self._stream: _StateStream | None = None
         self._state: _State | None = None
         self._incarnation = 0
@@ -553,8 +553,7 @@ class RankPublisher:
 
     def _drop_stream(self) -> None:
         """Forget the full state being sent, and the answers sending it."""
-        if self._stream is not None:
-            self._stream = None
+        self._stream = None
         self._pending = {c: p for c, p in self._pending.items() if p[2] == -1}
 
     def _next_message(self, pending: list) -> tuple[bytes, bytes, bytes] | None:

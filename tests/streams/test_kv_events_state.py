@@ -161,8 +161,6 @@ def test_the_state_in_small_chunks_is_the_same(shm_dir: str, plan, later, stale)
         assert all(len(b) == 7 for b in got[:-1])
         assert _new_payloads([e for b in got for e in b]) == _old_payloads(r, old)
     finally:
-        kv_events_state.SCAN_ROWS, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS = (
-            saved
-        )
+        kv_events_state.SCAN_ROWS, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS = saved
         r.close()
         w.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import tracemalloc
 
+import msgspec
 import pytest
 
 pytest.importorskip("zmq", reason="pyzmq (the kvevents extra, in the dev set) is missing")
@@ -81,10 +82,7 @@ def test_the_full_state_is_never_held_whole(shm_dir: str, monkeypatch) -> None: 
             if frames[2] == kz.END_SEQ:
                 break
             seqs.add(frames[2])
-            batch = KVEventBatch.__annotations__ and __import__("msgspec").msgpack.decode(
-                frames[3], type=KVEventBatch
-            )
-            stored += len(batch.events)
+            stored += len(msgspec.msgpack.decode(frames[3], type=KVEventBatch).events)
         assert stored == BLOCKS + 1 and len(seqs) == 1
     finally:
         tracemalloc.stop()
