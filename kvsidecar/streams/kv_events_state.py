@@ -3,7 +3,7 @@
 A new writer incarnation and a replay older than the buffer both send every cached block
 as a ``BlockStored`` of its own, parents first. Built per block from Python objects
 (`Block`, `BlockStored`) that took 1.66 s per 100,000 blocks; here the table is read
-with one C call per 16,384 slots (`KVEventsReader.cached_row_chunks`), its columns are
+with one C call per 2,048 cached slots (`KVEventsReader.cached_row_chunks`), its columns are
 taken with strided memoryview casts, and each event's msgpack is assembled from pieces
 encoded once per distinct (block size, LoRA, medium, group, spec) plus the block's hash,
 parent and token ids. The bytes are exactly what `stored_event` + msgspec give for the
