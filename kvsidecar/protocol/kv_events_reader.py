@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import mmap
 import os
+from collections.abc import Iterator
 from typing import NamedTuple
 
 from kvsidecar.protocol import _seqlock, liveness
@@ -178,19 +179,38 @@ class KVEventsReader(MappedFile):
     def cached_rows(self) -> tuple[int, int, bytes]:
         """`cached_blocks` undecoded: (head, epoch, the cached slots' copies, slot_stride
         bytes each in slot order, the first 8 bytes of each its slot's number)."""
+        head, epoch, chunks = self.cached_row_chunks()
+        return head, epoch, b"".join(data for _start, _end, data in chunks)
+
+    def cached_row_chunks(
+        self, chunk: int = SCAN_CHUNK
+    ) -> tuple[int, int, Iterator[tuple[int, int, bytes]]]:
+        """`cached_rows` a chunk at a time (one C scan of at most ``chunk`` copies each):
+        (head, epoch, chunks), each chunk (first slot, end slot, the cached slots' copies
+        among [first, end)); head and epoch are loaded before the first scan."""
         mm = self._map()
         g = self.geometry
         assert g is not None
         head = self.head()  # first: a clear after it is in the ring after it
         epoch = self.epoch()
-        chunks: list[bytes] = []
-        slot = 0
-        while slot < g.n_slots:
-            slot, data = _seqlock.kv_table_scan(
-                mm, g.table_off, g.slot_stride, g.n_slots, epoch & 0xFFFFFFFF, slot, SCAN_CHUNK, 8
-            )
-            chunks.append(data)
-        return head, epoch, b"".join(chunks)
+
+        def chunks() -> Iterator[tuple[int, int, bytes]]:
+            slot = 0
+            while slot < g.n_slots:
+                start = slot
+                slot, data = _seqlock.kv_table_scan(
+                    mm,
+                    g.table_off,
+                    g.slot_stride,
+                    g.n_slots,
+                    epoch & 0xFFFFFFFF,
+                    start,
+                    chunk,
+                    8,
+                )
+                yield start, slot, data
+
+        return head, epoch, chunks()
 
     def lora_name(self, index: int) -> str | None:
         """The name table's entry ``index`` (cached: written once, before first use)."""

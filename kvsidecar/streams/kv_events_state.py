@@ -1,18 +1,29 @@
-"""The full state of a KV-event segment as vLLM's wire, built in bulk (the daemon's snapshot).
+"""The full state of a KV-event segment as vLLM's wire, in bounded batches (the daemon's snapshot).
 
 A new writer incarnation and a replay older than the buffer both send every cached block
 as a ``BlockStored`` of its own, parents first. Built per block from Python objects
 (`Block`, `BlockStored`) that took 1.66 s per 100,000 blocks; here the table is read
-with one C call per 16,384 slots (`KVEventsReader.cached_rows`), its columns are taken
-with strided memoryview casts, and each event's msgpack is assembled from pieces encoded
-once per distinct (block size, LoRA, medium, group, spec) plus the block's hash, parent
-and token ids. The bytes are exactly what `stored_event` + msgspec give for the same
-blocks (tests/streams/test_kv_events_state.py checks it on random tables).
+with one C call per 2,048 cached slots (`KVEventsReader.cached_row_chunks`), its columns are
+taken with strided memoryview casts, and each event's msgpack is assembled from pieces
+encoded once per distinct (block size, LoRA, medium, group, spec) plus the block's hash,
+parent and token ids. The bytes are exactly what `stored_event` + msgspec give for the
+same blocks (tests/streams/test_kv_events_state.py checks it on random tables).
+
+Nothing holds the whole state: `scan` keeps compact columns of the cached rows (29 bytes
+a block), `Columns.order` orders them parents first on arrays, consuming the hash and
+parent columns (at most 41 bytes a block in all while it runs, plus one run's sort), and
+`batches` reads each batch's slots again (one C call a slot: 16 bytes a block left then)
+and encodes them when the batch is asked for: one batch of BATCH_EVENTS events at a
+time. A slot whose version changed between the two reads (its data gone) is left out,
+its change being in the ring after the head.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Sequence
+import heapq
+from array import array
+from bisect import bisect_left
+from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import msgspec
 
@@ -69,29 +80,6 @@ class Rows:
     def tokens(self, i: int) -> list[int]:
         base = (i * self.stride + kvl.SLOT_FIXED) // 4
         return self._u32[base : base + self.keys[i][0]].tolist()
-
-
-def parents_first_order(hashes: list[int], parents: list[int | None]) -> list[int]:
-    """Row indexes ordered so that a cached parent comes before its children, rows of equal
-    depth in their (slot) order: `kv_events_zmq.parents_first`'s order, on columns."""
-    parent_of = dict(zip(hashes, parents))  # the last row of a hash wins, as there
-    depth: dict[int, int] = {}
-    limit = len(parent_of)
-    for h0 in hashes:
-        if h0 in depth:
-            continue
-        chain = []
-        h: int | None = h0
-        while h is not None and h in parent_of and h not in depth:
-            chain.append(h)
-            h = parent_of[h]
-            if len(chain) > limit:  # a cycle (corrupt hashes): stop
-                break
-        base = depth.get(h, -1) if h is not None else -1
-        for i, x in enumerate(reversed(chain)):
-            depth[x] = base + 1 + i
-    by_row = [depth[h] for h in hashes]
-    return sorted(range(len(hashes)), key=by_row.__getitem__)
 
 
 class StoredEncoder:
@@ -176,15 +164,12 @@ def encode_batch(
     return enc.encode(EventBatch(ts=ts, events=raw, data_parallel_rank=dp_rank))  # type: ignore[arg-type]
 
 
-def full_state(reader: KVEventsReader, signed: bool = False) -> tuple[int, Rows, list[bytes]]:
-    """(head loaded before the scan, the rows, CLEARED + a BlockStored per cached block,
-    parents first): what a new writer incarnation's subscribers are sent."""
-    head, _epoch, data = reader.cached_rows()
-    g = reader.geometry
-    assert g is not None
-    rows = Rows(data, g.slot_stride, g.block_size)
-    order = parents_first_order(rows.hashes, rows.parents)
-    return head, rows, [CLEARED, *StoredEncoder(reader, signed).events(rows, order)]
+def full_state(reader: KVEventsReader, signed: bool = False) -> tuple[int, Columns, list[bytes]]:
+    """(head loaded before the scan, the rows' columns, CLEARED + a BlockStored per
+    cached block, parents first): what a new writer incarnation's subscribers are sent,
+    whole (the daemon sends `batches` one at a time)."""
+    head, columns = scan(reader)
+    return head, columns, [e for b in batches(reader, columns, signed=signed) for e in b]
 
 
 def announced_state(
@@ -192,30 +177,186 @@ def announced_state(
 ) -> list[bytes]:
     """CLEARED + a BlockStored per slot whose table entry still holds the version
     ``announced[slot]`` says was published (0: nothing), parents first: a replay's full
-    state as of the last published sequence. Cached slots come from the bulk scan; an
-    announced slot the scan did not return (removed, cleared or mid-write since) is read
-    alone, as a slot whose removal is not yet published still counts."""
-    _head, _epoch, data = reader.cached_rows()
+    state as of the last published sequence, whole (the daemon sends `batches`)."""
+    _head, columns = scan(reader, announced_rows(reader, announced))
+    return [e for b in batches(reader, columns, signed=signed) for e in b]
+
+
+# -- the full state in bounded batches --------------------------------------------------
+
+BATCH_EVENTS = 1024  # events per EventBatch (kv_events_zmq.MAX_EVENTS_PER_BATCH)
+SORT_CHUNK = 16384  # rows sorted by hash at a time (their runs are then merged)
+# copies per table scan call: a chunk's `Rows` (Python lists) take ~500 bytes a row
+SCAN_ROWS = 2048
+
+
+class Columns:
+    """What the parents-first order needs of each kept row, in slot order, as arrays:
+    slot (4 bytes), version, hash and parent (8 each) and whether it has one (1): 29
+    bytes a row."""
+
+    def __init__(self) -> None:
+        self.slots = array("I")
+        self.versions = array("Q")
+        self.hashes = array("Q")
+        self.parents = array("Q")
+        self.has_parent = bytearray()
+
+    def add(self, rows: Rows, keep: Iterable[int]) -> None:
+        for i in keep:
+            self.slots.append(rows.slots[i])
+            self.versions.append(rows.versions[i])
+            self.hashes.append(rows.hashes[i])
+            p = rows.parents[i]
+            self.parents.append(0 if p is None else p)
+            self.has_parent.append(p is not None)
+
+    def order(self) -> array:
+        """Row indexes, parents first (`kv_events_zmq.parents_first`'s order, the same
+        on every table, cycles included), computed on arrays (`Columns`))."""
+        n, sort_chunk = len(self.slots), SORT_CHUNK
+        hashes = self.hashes
+        # rows by hash (stable: equal hashes in row order), sorted in chunks then merged
+        runs = [
+            array("I", sorted(range(a, min(a + sort_chunk, n)), key=hashes.__getitem__))
+            for a in range(0, n, sort_chunk)
+        ]
+        by_hash = array("I", heapq.merge(*runs, key=hashes.__getitem__))
+        del runs
+        sorted_hash = array("Q", map(hashes.__getitem__, by_hash))
+        self.hashes = hashes = None  # type: ignore[assignment]
+        # node[r]: the row standing for r's hash (the last row of it wins, as in a dict)
+        node = array("I", bytes(4 * n))
+        i = 0
+        while i < n:
+            j = i
+            while j + 1 < n and sorted_hash[j + 1] == sorted_hash[i]:
+                j += 1
+            for k in range(i, j + 1):
+                node[by_hash[k]] = by_hash[j]
+            i = j + 1
+        # up[r]: the node of r's parent hash, -1 when none or not cached
+        up = array("i", bytes(4 * n))
+        parents, has_parent = self.parents, self.has_parent
+        for r in range(n):
+            if has_parent[r]:
+                p = parents[r]
+                k = bisect_left(sorted_hash, p)
+                up[r] = node[by_hash[k]] if k < n and sorted_hash[k] == p else -1
+            else:
+                up[r] = -1
+        del by_hash, sorted_hash
+        self.parents, self.has_parent = None, bytearray()  # type: ignore[assignment]
+        limit = sum(1 for r in range(n) if node[r] == r)  # distinct hashes
+        depth = array("i", [-1]) * n
+        for r0 in range(n):
+            h = node[r0]
+            if depth[h] >= 0:
+                continue
+            chain = []
+            while h >= 0 and depth[h] < 0:
+                chain.append(h)
+                h = up[h]
+                if len(chain) > limit:  # a cycle (corrupt hashes): stop
+                    break
+            base = depth[h] if h >= 0 else -1
+            for i, x in enumerate(reversed(chain)):
+                depth[x] = base + 1 + i
+        del up
+        # a stable counting sort by depth (row order within a depth)
+        for r in range(n):
+            depth[r] = depth[node[r]]
+        counts = array("I", bytes(4 * (max(depth, default=0) + 2)))
+        for d in depth:
+            counts[d + 1] += 1
+        for d in range(1, len(counts)):
+            counts[d] += counts[d - 1]
+        order = array("I", bytes(4 * n))
+        for r in range(n):
+            d = depth[r]
+            order[counts[d]] = r
+            counts[d] += 1
+        return order
+
+
+def scan(
+    reader: KVEventsReader,
+    pick: Callable[[int, int, Rows], Rows] | None = None,
+    chunk: int | None = None,
+) -> tuple[int, Columns]:
+    """(head loaded before the scan, the columns of the cached rows): the table read
+    ``chunk`` (SCAN_ROWS) copies at a time; ``pick(first slot, end slot, chunk's rows)`` gives the
+    rows kept of each chunk (default: all), in slot order."""
+    head, _epoch, chunks = reader.cached_row_chunks(chunk or SCAN_ROWS)
+    g = reader.geometry
+    assert g is not None
+    columns = Columns()
+    for first, end, data in chunks:
+        rows = Rows(data, g.slot_stride, g.block_size)
+        if pick is not None:
+            rows = pick(first, end, rows)
+        columns.add(rows, range(rows.n))
+    return head, columns
+
+
+def announced_rows(
+    reader: KVEventsReader, announced: Sequence[int]
+) -> Callable[[int, int, Rows], Rows]:
+    """A `scan` pick: the rows whose version is the one ``announced[slot]`` says was
+    published, and the announced slots of the chunk the scan did not return (removed,
+    cleared or mid-write since: a removal not yet published still counts) read alone,
+    as `announced_state` does."""
     g = reader.geometry
     assert g is not None
     stride = g.slot_stride
-    scanned = Rows(data, stride, g.block_size)
-    keep = [
-        i
-        for i, (slot, v) in enumerate(zip(scanned.slots, scanned.versions))
-        if announced[slot] == v
-    ]
-    picked = {scanned.slots[i]: data[i * stride : (i + 1) * stride] for i in keep}
-    if len(announced) - announced.count(0) > len(picked):
-        seen = set(scanned.slots)
-        for slot, v in enumerate(announced):
+
+    def pick(first: int, end: int, rows: Rows) -> Rows:
+        keep = [i for i, (s, v) in enumerate(zip(rows.slots, rows.versions)) if announced[s] == v]
+        if len(keep) == rows.n and (end - first) - announced[first:end].count(0) == rows.n:
+            return rows
+        picked = {rows.slots[i]: rows.data[i * stride : (i + 1) * stride] for i in keep}
+        seen = set(rows.slots)
+        for slot in range(first, end):
+            v = announced[slot]
             if v and slot not in seen:
                 raw = reader.slot_row(slot)
                 if raw is not None and int.from_bytes(raw[8:16], "little") == v:
                     picked[slot] = raw
-    if len(keep) == len(picked) == scanned.n:  # the scan, as it was
-        rows = scanned
-    else:
-        rows = Rows(b"".join(picked[s] for s in sorted(picked)), stride, g.block_size)
-    order = parents_first_order(rows.hashes, rows.parents)
-    return [CLEARED, *StoredEncoder(reader, signed).events(rows, order)]
+        return Rows(b"".join(picked[s] for s in sorted(picked)), stride, g.block_size)
+
+    return pick
+
+
+def batches(
+    reader: KVEventsReader,
+    columns: Columns,
+    drop: Callable[[int], None] | None = None,
+    signed: bool = False,
+) -> Iterator[list[bytes]]:
+    """CLEARED + a BlockStored per row of ``columns``, parents first, BATCH_EVENTS
+    events a batch (`full_state`'s events, cut the same way), each batch encoded when it
+    is asked for: the events of one batch exist at a time. Each slot is read again; one
+    whose version is no longer the one scanned (its data gone: its change is in the
+    ring) is left out, and ``drop(slot)`` told."""
+    g = reader.geometry
+    assert g is not None
+    order = columns.order()
+    slots, versions = columns.slots, columns.versions
+    encoder = StoredEncoder(reader, signed)
+    events, size = [CLEARED], BATCH_EVENTS
+    for a in range(0, len(order), size):
+        raws = []
+        for r in order[a : a + size]:
+            slot = slots[r]
+            raw = reader.slot_row(slot)
+            if raw is not None and int.from_bytes(raw[8:16], "little") == versions[r]:
+                raws.append(raw)
+            elif drop is not None:
+                drop(slot)
+        rows = Rows(b"".join(raws), g.slot_stride, g.block_size)
+        events.extend(encoder.events(rows, range(rows.n)))
+        while len(events) >= size:
+            yield events[:size]
+            del events[:size]
+    if events:
+        yield events

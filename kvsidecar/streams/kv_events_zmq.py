@@ -27,7 +27,7 @@ import threading
 import time
 from array import array
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import msgspec
 import zmq
@@ -51,7 +51,8 @@ from kvsidecar.streams.kv_events_wire import (
 
 log = logging.getLogger("kvsidecar.kv_events")
 
-MAX_EVENTS_PER_BATCH = 1024  # a resync's state is split into batches of this many events
+# a resync's state is split into batches of this many events
+MAX_EVENTS_PER_BATCH = kv_events_state.BATCH_EVENTS
 MAX_RECORDS_PER_POLL = 16384
 # An idle rank still publishes an empty batch (a new sequence number) this often, so a
 # subscriber that (re)connected learns the sequence, sees a gap or a restarted
@@ -72,6 +73,12 @@ PUB_QUEUE_MSGS = 1024
 REPLAY_QUEUE_MSGS = 16
 MAX_PENDING_REPLAYS = 64
 REPLAY_STALL_S = 5.0
+# A full state is encoded a batch at a time, as the answers sending it need the next one
+# (the live resync: as it is published); the batches between the slowest and the fastest
+# replay answer sending it are kept while they fit STATE_WINDOW_BYTES (at least one): a
+# faster answer waits for the slowest, which REPLAY_STALL_S drops if it stalls.
+STATE_WINDOW_BYTES = 4 * 1024 * 1024
+WAITING = -2
 
 
 def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
@@ -218,12 +225,14 @@ class RankPublisher:
         self.seq = -1  # the last published batch (vLLM starts at 0)
         self._buffer: deque[tuple[int, bytes]] = deque(maxlen=options.buffer_steps)
         self.buffer_bytes = 0  # of the payloads in _buffer
-        # Replay answers still to send: client -> [messages left, monotonic time of the
-        # last one the client's queue took, the sequence of the full state it sends or -1].
+        # Replay answers still to send: client -> [messages left (the last first),
+        # monotonic time of the last one the client's queue took, the index of the next
+        # batch of the full state it sends (-1: none, or all sent; WAITING: the state
+        # being sent has moved on, it waits for the next)].
         self._pending: dict[bytes, list] = {}
-        # The full state's batches at one sequence, shared by the answers that send it:
-        # one full state is held at a time (an answer sending an older one is dropped).
-        self._state_cache: tuple[int, list[bytes]] = (-1, [])
+        # The full state being sent, shared by the answers that send it: one at a time
+        # (a request that cannot join it waits for it to end: WAITING).
+        self._stream: _StateStream | None = None
         self._state: _State | None = None
         self._incarnation = 0
         self._next = 1  # the next ring record to read
@@ -374,6 +383,7 @@ class RankPublisher:
 
     def _gone(self, why: str) -> None:
         self._held = []  # its blocks are cleared with the rest
+        self._drop_stream()  # its batches are read from the table as they are sent
         if not self._engine_gone:
             log.info("kv events %s: engine gone (%s): AllBlocksCleared", self.name, why)
             self._publish([AllBlocksCleared()])
@@ -382,17 +392,26 @@ class RankPublisher:
         self._engine_gone = True
 
     def _resync_full(self, reader: KVEventsReader) -> None:
-        """A new writer incarnation: clear, then the whole table (parents first)."""
+        """A new writer incarnation: clear, then the whole table (parents first), a
+        batch at a time, each encoded as it is published."""
         self._held = []  # the whole table follows
-        head, rows, events = kv_events_state.full_state(reader, signed=self._signed)
         state = self._state
         assert state is not None
         state.clear()
-        state.announce_rows(rows)
+
+        def announce(_first: int, _end: int, rows: kv_events_state.Rows) -> kv_events_state.Rows:
+            state.announce_rows(rows)
+            return rows
+
+        def drop(slot: int) -> None:  # re-stored since the scan: the ring says it
+            state.version[slot] = 0
+
+        head, columns = kv_events_state.scan(reader, announce)
         self._next = head + 1
         self._engine_gone = False
         self.stats["resyncs"] += 1
-        self._publish(events, encoded=True)
+        for events in kv_events_state.batches(reader, columns, drop, self._signed):
+            self._publish(events, encoded=True)
 
     def _resync_diff(self, reader: KVEventsReader) -> None:
         """Overrun (the same writer): remove what is no longer cached, store what is new."""
@@ -536,18 +555,21 @@ class RankPublisher:
 
     def _answer_replay(self, client: bytes, start: int) -> None:
         """Queue the answer (references to the buffer's payloads, or the full state's
-        batches), then send what the client's queue takes now."""
+        batches, encoded as they are sent), then send what the client's queue takes now."""
         oldest = self._buffer[0][0] if self._buffer else self.seq + 1
-        state = -1
+        first = -1
         if start < oldest and self.reader is not None and self.seq >= 0:
-            # Older than the buffer: the full state as of the last published sequence.
-            state = self.seq
-            if self._state_cache[0] != state:
-                self._pending = {c: p for c, p in self._pending.items() if p[2] < 0}
-                self._state_cache = (state, [])  # the old batches go before the new are built
-                self._state_cache = (state, self._state_batches())
-            seq = state.to_bytes(8, "big")
-            answer = [(self._topic, seq, payload) for payload in self._state_cache[1]]
+            # Older than the buffer: the full state as of the last published sequence,
+            # that of the state being sent if it is that one and none of it is gone yet.
+            stream = self._stream
+            if stream is None:
+                self._stream = _StateStream(self.seq, self._state_batches())
+                first = 0
+            elif stream.seq == self.seq and stream.first == 0:
+                first = 0
+            else:  # sent after that one (one state at a time), as of then
+                first = WAITING
+            answer = []
         else:
             answer = [
                 (self._topic, seq.to_bytes(8, "big"), payload)
@@ -559,8 +581,27 @@ class RankPublisher:
         self._pending.pop(client, None)  # a new request replaces the client's old one
         while len(self._pending) >= MAX_PENDING_REPLAYS:
             del self._pending[next(iter(self._pending))]  # the oldest request
-        self._pending[client] = [answer, time.monotonic(), state]
+        self._pending[client] = [answer, time.monotonic(), first]
         self._send_pending()
+
+    def _drop_stream(self) -> None:
+        """Forget the full state being sent, and the answers sending it."""
+        self._stream = None
+        self._pending = {c: p for c, p in self._pending.items() if p[2] == -1}
+
+    def _next_message(self, pending: list) -> tuple[bytes, bytes, bytes] | None:
+        """The pending answer's next message; None: it waits for a slower answer."""
+        stream = self._stream
+        if pending[2] == WAITING:
+            return None
+        if pending[2] >= 0 and stream is not None:
+            payload = stream.batch(pending[2])
+            if payload is None:
+                return None
+            if payload:
+                return (self._topic, stream.seq.to_bytes(8, "big"), payload)
+            pending[2] = -1  # the state is all sent: the end marker follows
+        return pending[0][-1]
 
     def _send_pending(self) -> None:
         """Send each pending answer's next messages while its client's queue takes them;
@@ -568,21 +609,39 @@ class RankPublisher:
         replay = self._replay
         assert replay is not None
         now = time.monotonic()
+        waiting = [p for p in self._pending.values() if p[2] == WAITING]
+        if waiting and self._stream is None and self.reader is not None:
+            self._stream = _StateStream(self.seq, self._state_batches())
+            for p in waiting:
+                p[2] = 0
         for client, pending in list(self._pending.items()):
-            answer = pending[0]
             try:
-                while answer:
-                    replay.send_multipart((client, b"", *answer[-1]), flags=zmq.NOBLOCK, copy=False)
-                    answer.pop()
+                while pending[0]:
+                    message = self._next_message(pending)
+                    if message is None:  # waits for the slowest answer: not stalled
+                        pending[1] = now
+                        break
+                    replay.send_multipart((client, b"", *message), flags=zmq.NOBLOCK, copy=False)
+                    if pending[2] >= 0:
+                        pending[2] += 1
+                    else:
+                        pending[0].pop()
                     pending[1] = now
+                else:
+                    del self._pending[client]
+                continue
             except zmq.Again:  # its queue is full: the rest waits, unless it stalled
                 if now - pending[1] < REPLAY_STALL_S:
                     continue
             except zmq.ZMQError:  # EHOSTUNREACH: the client is gone
                 pass
             del self._pending[client]
-        if not any(p[2] >= 0 for p in self._pending.values()):
-            self._state_cache = (-1, [])
+        if self._stream is not None:
+            positions = [p[2] for p in self._pending.values() if p[2] >= 0]
+            if positions:
+                self._stream.trim(min(positions))
+            else:
+                self._stream = None
 
     def _batch(self, events: list, encoded: bool) -> bytes:
         """One EventBatch's payload, stamped now; ``encoded``: the events are msgpack already
@@ -595,17 +654,50 @@ class RankPublisher:
             EventBatch(ts=self._clock(), events=events, data_parallel_rank=self.dp_rank)
         )
 
-    def _state_batches(self) -> list[bytes]:
-        """The announced state as batches: AllBlocksCleared + BlockStored per block whose
-        slot still holds the announced version (one not there any more is being removed:
-        its removal follows live)."""
+    def _state_batches(self) -> Iterator[bytes]:
+        """The announced state as batches, each encoded when it is asked for:
+        AllBlocksCleared + BlockStored per block whose slot still holds the announced
+        version (one not there any more is being removed: its removal follows live)."""
         reader, state = self.reader, self._state
         assert reader is not None and state is not None
-        events = kv_events_state.announced_state(reader, state.version, signed=self._signed)
-        return [
-            self._batch(events[i : i + MAX_EVENTS_PER_BATCH], True)
-            for i in range(0, len(events), MAX_EVENTS_PER_BATCH)
-        ]
+        pick = kv_events_state.announced_rows(reader, state.version)
+        _head, columns = kv_events_state.scan(reader, pick)
+        for events in kv_events_state.batches(reader, columns, signed=self._signed):
+            yield self._batch(events, True)
+
+
+class _StateStream:
+    """One full state's batches (stamped with sequence ``seq``), encoded when the first
+    answer asks for each; kept from the slowest answer's on (`trim`) while they fit
+    STATE_WINDOW_BYTES (at least one)."""
+
+    def __init__(self, seq: int, batches: Iterator[bytes]) -> None:
+        self.seq = seq
+        self._batches: Iterator[bytes] | None = batches
+        self.first = 0  # the index of window[0]
+        self.window: deque[bytes] = deque()
+        self.bytes = 0
+
+    def batch(self, i: int) -> bytes | None:
+        """Batch i (b"": past the last); None: not before the window moves on."""
+        while i >= self.first + len(self.window) and self._batches is not None:
+            if self.window and self.bytes >= STATE_WINDOW_BYTES:
+                return None
+            payload = next(self._batches, None)
+            if payload is None:
+                self._batches = None
+                break
+            self.window.append(payload)
+            self.bytes += len(payload)
+        if i >= self.first + len(self.window):
+            return b""
+        return self.window[i - self.first]
+
+    def trim(self, first: int) -> None:
+        """Forget the batches before index ``first`` (no answer needs them)."""
+        while self.first < first and self.window:
+            self.bytes -= len(self.window.popleft())
+            self.first += 1
 
 
 class KVEventsService:

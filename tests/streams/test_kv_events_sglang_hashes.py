@@ -34,7 +34,7 @@ def published(shm_dir: str, name: str) -> tuple[list[list[int | None]], list[lis
         w.stored(2, OTHER, None, [5, 6])
         w.removed(2, OTHER)
         pub.poll_once()
-        payloads = [p for _, p in pub._buffer] + pub._state_batches()
+        payloads = [p for _, p in pub._buffer] + list(pub._state_batches())
     finally:
         pub._close()
         w.close()

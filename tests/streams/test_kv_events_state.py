@@ -135,3 +135,32 @@ def test_announced_state_is_the_per_slot_path(shm_dir: str, plan, later, stale) 
     finally:
         r.close()
         w.close()
+
+
+@SETTINGS
+@given(plan=ops, later=ops, stale=st.sets(st.integers(0, SLOTS - 1)))
+def test_the_state_in_small_chunks_is_the_same(shm_dir: str, plan, later, stale) -> None:
+    """The table scanned 5 slots at a time, sorted by hash in runs of 3 rows, encoded in
+    batches of 7 events: the same batches as the per-block path cut in 7s."""
+    saved = kv_events_state.SCAN_ROWS, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS
+    kv_events_state.SCAN_ROWS, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS = 5, 3, 7
+    w, r = _open(shm_dir)
+    try:
+        _fill(w, plan)
+        _h, _e, blocks = r.cached_blocks()
+        _head, columns, events = kv_events_state.full_state(r)
+        assert sorted(columns.slots) == [b.slot for b in blocks]
+        assert _new_payloads(events) == _old_payloads(r, blocks)
+        announced = array("Q", bytes(8 * SLOTS))
+        for b in blocks:
+            announced[b.slot] = b.version + (1 if b.slot in stale else 0)
+        _fill(w, later)
+        old = [b for b in map(r.block, range(SLOTS)) if b and b.version == announced[b.slot] > 0]
+        _head, columns = kv_events_state.scan(r, kv_events_state.announced_rows(r, announced))
+        got = list(kv_events_state.batches(r, columns))
+        assert all(len(b) == 7 for b in got[:-1])
+        assert _new_payloads([e for b in got for e in b]) == _old_payloads(r, old)
+    finally:
+        kv_events_state.SCAN_ROWS, kv_events_state.SORT_CHUNK, kv_events_state.BATCH_EVENTS = saved
+        r.close()
+        w.close()
