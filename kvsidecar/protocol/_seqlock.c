@@ -511,6 +511,39 @@ static int kv_ring_ok(Py_ssize_t len, Py_ssize_t ring_off, uint64_t ring_mask,
            kv_bounds(len, head_off, 8);
 }
 
+/* The slot at slot_off under its seqlock (body at +8, then the n token ids at
+ * KV_SLOT_FIXED, then the flags byte loses clear_mask), then the ring record: returns the
+ * new head, or 0 with OSError set when the pages are gone (SIGBUS). */
+static uint64_t kv_write(uint8_t *base, Py_ssize_t slot_off, const uint8_t *body, size_t body_len,
+                         PyObject **items, Py_ssize_t n, uint8_t clear_mask, Py_ssize_t ring_off,
+                         uint64_t ring_mask, Py_ssize_t head_off, uint8_t kind, uint8_t rec_flags,
+                         uint16_t group, uint32_t slot, uint64_t version, uint64_t block_hash) {
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        return 0;
+    }
+    guard_set(&jb);
+    uint64_t *seqp = (uint64_t *)(base + slot_off);
+    uint64_t s = __atomic_load_n(seqp, __ATOMIC_RELAXED) & ~(uint64_t)1;
+    __atomic_store_n(seqp, s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* K1 */
+    if (body_len) memcpy(base + slot_off + 8, body, body_len);
+    uint8_t *tok = base + slot_off + KV_SLOT_FIXED;
+    for (Py_ssize_t i = 0; i < n; i++) { /* checked by the caller: u32 each */
+        uint32_t t = (uint32_t)PyLong_AsUnsignedLongMask(items[i]);
+        memcpy(tok + 4 * i, &t, 4);
+    }
+    if (clear_mask) base[slot_off + KV_SLOT_FLAGS_AT] &= (uint8_t)~clear_mask;
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* K2 */
+    __atomic_store_n(seqp, s + 2, __ATOMIC_RELAXED);
+    uint64_t head = kv_append(base, ring_off, ring_mask, head_off, kind, rec_flags, group, slot,
+                              version, block_hash);
+    guard_clear();
+    return head;
+}
+
 /* kv_stored(seg, slot_off, stride, slot, version, block_hash, parent, epoch, flags, medium,
  *           group, name_idx, spec_idx, lora, token_ids, ring_off, ring_mask, head_off,
  *           rec_flags) -> head
@@ -573,32 +606,10 @@ static PyObject *py_kv_stored(PyObject *self, PyObject *const *args, Py_ssize_t 
     memcpy(body + 36, &sp16, 2);
     memcpy(body + 38, &zero, 2);
     memcpy(body + 40, &lora, 8);
-    uint8_t *base = seg.buf;
-    uint64_t head;
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_clear();
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        goto done;
-    }
-    guard_set(&jb);
-    {
-        uint64_t *seqp = (uint64_t *)(base + slot_off);
-        uint64_t s = __atomic_load_n(seqp, __ATOMIC_RELAXED) & ~(uint64_t)1;
-        __atomic_store_n(seqp, s + 1, __ATOMIC_RELAXED);
-        __atomic_thread_fence(__ATOMIC_RELEASE); /* K1 */
-        memcpy(base + slot_off + 8, body, sizeof body);
-        uint8_t *tok = base + slot_off + KV_SLOT_FIXED;
-        for (Py_ssize_t i = 0; i < n; i++) {
-            uint32_t t = (uint32_t)PyLong_AsUnsignedLongMask(items[i]);
-            memcpy(tok + 4 * i, &t, 4);
-        }
-        __atomic_thread_fence(__ATOMIC_RELEASE); /* K2 */
-        __atomic_store_n(seqp, s + 2, __ATOMIC_RELAXED);
-    }
-    head = kv_append(base, ring_off, ring_mask, head_off, 1 /* KIND_STORED */,
-                     (uint8_t)rec_flags, g16, (uint32_t)slot, version, block_hash);
-    guard_clear();
+    uint64_t head = kv_write(seg.buf, slot_off, body, sizeof body, items, n, 0, ring_off, ring_mask,
+                             head_off, 1 /* KIND_STORED */, (uint8_t)rec_flags, g16,
+                             (uint32_t)slot, version, block_hash);
+    if (head == 0) goto done;
     result = PyLong_FromUnsignedLongLong(head);
 done:
     PyBuffer_Release(&seg);
@@ -629,27 +640,10 @@ static PyObject *py_kv_removed(PyObject *self, PyObject *const *args, Py_ssize_t
         PyErr_SetString(PyExc_ValueError, "kv_removed: offset out of the segment");
         goto done;
     }
-    uint8_t *base = seg.buf;
-    uint64_t head;
-    sigjmp_buf jb;
-    if (sigsetjmp(jb, 0) != 0) {
-        guard_clear();
-        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
-        goto done;
-    }
-    guard_set(&jb);
-    {
-        uint64_t *seqp = (uint64_t *)(base + slot_off);
-        uint64_t s = __atomic_load_n(seqp, __ATOMIC_RELAXED) & ~(uint64_t)1;
-        __atomic_store_n(seqp, s + 1, __ATOMIC_RELAXED);
-        __atomic_thread_fence(__ATOMIC_RELEASE); /* K1 */
-        base[slot_off + KV_SLOT_FLAGS_AT] &= (uint8_t)~1u; /* FLAG_CACHED */
-        __atomic_thread_fence(__ATOMIC_RELEASE); /* K2 */
-        __atomic_store_n(seqp, s + 2, __ATOMIC_RELAXED);
-    }
-    head = kv_append(base, ring_off, ring_mask, head_off, 2 /* KIND_REMOVED */, 0,
-                     (uint16_t)group, (uint32_t)slot, version, block_hash);
-    guard_clear();
+    uint64_t head = kv_write(seg.buf, slot_off, NULL, 0, NULL, 0, 1 /* FLAG_CACHED */, ring_off,
+                             ring_mask, head_off, 2 /* KIND_REMOVED */, 0, (uint16_t)group,
+                             (uint32_t)slot, version, block_hash);
+    if (head == 0) goto done;
     result = PyLong_FromUnsignedLongLong(head);
 done:
     PyBuffer_Release(&seg);
