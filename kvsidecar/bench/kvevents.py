@@ -477,8 +477,10 @@ def run(
         steps=steps or (150 if quick else 600),
         strace_steps=50 if quick else 200,
     )
-    if vllm:  # not built yet: the real server's side of this table (#42 item 6)
-        out["vllm"] = {"skipped": "not built yet: use bench cost --vllm's server set-up"}
+    if vllm:  # the real server: three starts (kvevents_vllm.py)
+        from kvsidecar.bench import kvevents_vllm
+
+        out["vllm"] = kvevents_vllm.run(quick=quick)
     out["host_after"] = host_conditions()
     return out
 
@@ -555,4 +557,8 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
               " ".join(map(str, r["host"]["load_average"]))]],
         )
     )  # fmt: skip
+    if (v := r.get("vllm")) and "skipped" not in v:
+        from kvsidecar.bench import kvevents_vllm
+
+        out += kvevents_vllm.tables(v)
     return out
