@@ -467,6 +467,7 @@ def run(
     rounds: int | None = None,
     steps: int | None = None,
     snapshot_blocks: tuple[int, ...] | None = None,
+    vllm_rounds: int | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"quick": quick, "host": host_conditions()}
     sizes = snapshot_blocks or ((100_000,) if quick else (100_000, 1_000_000))
@@ -480,7 +481,7 @@ def run(
     if vllm:  # the real server: three starts (kvevents_vllm.py)
         from kvsidecar.bench import kvevents_vllm
 
-        out["vllm"] = kvevents_vllm.run(quick=quick)
+        out["vllm"] = kvevents_vllm.run(quick=quick, rounds=vllm_rounds)
     out["host_after"] = host_conditions()
     return out
 

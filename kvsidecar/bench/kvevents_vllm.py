@@ -1,8 +1,8 @@
 """``bench kvevents --vllm``: what KV events cost the real vLLM 0.32 server's engine core.
 
 Three server starts in one run, the same workload in each (`workload`: prefix-heavy,
-three shared 96-token prefixes, a suffix of its own per request, on a 48-block pool that
-evicts all the time):
+three shared 96-token prefixes, a 64-token suffix of its own per request, 128 tokens
+generated, 8 at a time, on a 96-block pool of 32 tokens that evicts all the time):
 
 * ``none``: no KV events (neither vLLM's nor ours);
 * ``publisher``: vLLM's own publisher (``--kv-events-config``: zmq, with replay), one
@@ -15,7 +15,7 @@ The daemon runs in every start (the same processes around the engine). In each s
 adds a stalled subscriber (a SUB that never reads and a replay DEALER asking for a replay
 from 0 every 20 ms, never reading: `kvevents.Stalled`) where there are events.
 
-Figures, per round: the engine core's CPU by thread (``/proc/<pid>/task/*/stat``; the
+Figures, per round: the engine core's CPU by thread (``/proc/<pid>/task/*/schedstat``, ns; the
 threads named by a ``sitecustomize`` on the engine's path that writes each Python thread's
 name to its ``comm``): its main thread (the scheduler, where both vLLM's events and our
 records are built; it spins in ``sched_yield`` while it waits for the model, so the
@@ -25,7 +25,8 @@ changes (blocks stored + removed, counted by the subscriber) over the same round
 of ``none`` (the server starts cannot be interleaved: rounds are paired by number), with
 95 % intervals (`stats.mean_interval`); requests/s; changes/s. System calls per step on
 the engine core's main thread: ``strace -c`` on that thread alone over one extra round,
-the steps from vLLM's ``vllm:iteration_tokens_total`` count.
+the steps from vLLM's ``vllm:iteration_tokens_total`` count; also without ``sched_yield``
+(the spin while the engine waits for its worker, which moves with timing).
 """
 
 from __future__ import annotations
@@ -54,17 +55,17 @@ from kvsidecar.bench import vllm as vb
 MODES = ("none", "publisher", "kvsidecar")
 THREADNAMES = Path(__file__).resolve().parent / "threadnames"
 PREFIX = 96
-BLOCKS = 48
+BLOCKS = 96
 SETTLE_S = 0.5
 ROLES = ("main", "publisher", "zmq_io", "other", "workers", "process")
 
 
 def prompts(round_: int, n: int) -> list[list[int]]:
-    """Three shared 96-token prefixes, a 40-token suffix of its own per request and round."""
+    """Three shared 96-token prefixes, a 64-token suffix of its own per request and round."""
     out = []
     for i in range(n):
         prefix = [(37 * (i % 3) + j) % 400 + 1 for j in range(PREFIX)]
-        out.append(prefix + [(11 * i + 7 * round_ + 13 * j) % 450 + 20 for j in range(40)])
+        out.append(prefix + [(11 * i + 7 * round_ + 13 * j) % 450 + 20 for j in range(64)])
     return out
 
 
@@ -84,25 +85,21 @@ def workload(port: int, round_: int, requests: int, max_tokens: int) -> float:
 def engine_core(server_pid: int) -> int:
     """The engine core process: the API server's descendant named EngineCore."""
     for pid in proccount.tree(server_pid)[1:]:
-        try:
-            with open(f"/proc/{pid}/cmdline", "rb") as f:
-                if b"EngineCore" in f.read():
-                    return pid
-        except OSError:
-            continue
-        try:
-            with open(f"/proc/{pid}/comm", "rb") as f:
-                if b"EngineCore" in f.read():
-                    return pid
-        except OSError:
-            continue
+        for what in ("cmdline", "comm"):  # vLLM sets both titles
+            try:
+                with open(f"/proc/{pid}/{what}", "rb") as f:
+                    if b"EngineCore" in f.read():
+                        return pid
+            except OSError:
+                break
     raise RuntimeError(f"no EngineCore process under {server_pid}")
 
 
-def _ticks(path: str) -> int:
+def _ns(path: str) -> int:
+    """A task's time on the CPU so far (``schedstat``'s first field, ns: finer than
+    ``stat``'s clock ticks)."""
     with open(path) as f:
-        fields = f.read().rsplit(")", 1)[1].split()
-    return int(fields[11]) + int(fields[12])
+        return int(f.read().split()[0])
 
 
 def role(tid: int, pid: int, comm: str) -> str:
@@ -118,23 +115,27 @@ def role(tid: int, pid: int, comm: str) -> str:
 
 def cpu_by_role(pid: int) -> dict[str, float]:
     """The engine core's CPU (ms) so far by thread role, its worker processes', the whole."""
-    hz = os.sysconf("SC_CLK_TCK")
     out = dict.fromkeys(ROLES, 0.0)
     for tid in os.listdir(f"/proc/{pid}/task"):
         base = f"/proc/{pid}/task/{tid}"
         try:
             with open(f"{base}/comm") as f:
                 comm = f.read().strip()
-            ms = _ticks(f"{base}/stat") * 1000.0 / hz
+            ms = _ns(f"{base}/schedstat") / 1e6
         except OSError:  # the thread ended
             continue
         out[role(int(tid), pid, comm)] += ms
         out["process"] += ms
     for child in proccount.tree(pid)[1:]:
         try:
-            out["workers"] += _ticks(f"/proc/{child}/stat") * 1000.0 / hz
+            tids = os.listdir(f"/proc/{child}/task")
         except OSError:
             continue
+        for tid in tids:
+            try:
+                out["workers"] += _ns(f"/proc/{child}/task/{tid}/schedstat") / 1e6
+            except OSError:
+                continue
     return out
 
 
@@ -225,9 +226,11 @@ class Server:
                 sub.close()
         calls = parse_strace_c(Path(path).read_text())
         total = sum(calls.values())
+        spin = calls.get("sched_yield", 0)  # waiting for the worker: moves with timing
         return {
             "steps": steps,
             "per_step": total / steps if steps else float("nan"),
+            "per_step_without_sched_yield": (total - spin) / steps if steps else float("nan"),
             "calls_per_step": {k: round(v / steps, 2) for k, v in calls.items()} if steps else {},
         }
 
@@ -305,7 +308,7 @@ def run(quick: bool = False, rounds: int | None = None) -> dict[str, Any]:
     if python is None:
         return {"skipped": "no vLLM environment (build it: bash .ci/engine-env vllm)"}
     rounds = rounds or (3 if quick else 6)
-    requests, max_tokens = 24, 40
+    requests, max_tokens = 48, 128
     tmp = tempfile.mkdtemp(prefix="kvsidecar-kvv-")
     per_mode: dict[str, dict[str, list[dict[str, Any]]]] = {}
     syscalls: dict[str, Any] = {}
@@ -387,10 +390,11 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
     out.append(
         (
             "system calls per step on the engine core's main thread (strace -c on it alone)",
-            ["mode", "steps", "per step", "top calls per step"],
+            ["mode", "steps", "per step", "without sched_yield", "top calls per step"],
             [
-                [m, "-", "-", "strace not found"] if v is None else
+                [m, "-", "-", "-", "strace not found"] if v is None else
                 [m, round(v["steps"]), round(v["per_step"], 2),
+                 round(v["per_step_without_sched_yield"], 2),
                  ", ".join(f"{k} {n}" for k, n in list(v["calls_per_step"].items())[:4])]
                 for m, v in r["syscalls"].items()
             ],
