@@ -20,6 +20,11 @@ answered, and the share of polls that were fresh. Candidates, each in turn, same
 
 Both with the shared parser's verdict kept per distinct head, and the same answer tuple's
 bytes re-sent (`poll_server`): the parse and the head are a lookup in both.
+
+Each candidate also reports the full check's own cost on the listener thread
+(`time.thread_time_ns` around `Gateway._answer`, and within it the target's poll and the
+body: ``full_check_us``, ``target_poll_us``, ``body_us``, per full check), so the same
+module run against another checkout's code (a worktree of main) compares the full check.
 """
 
 from __future__ import annotations
@@ -33,13 +38,16 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 from kvsidecar.bench import fleet
 from kvsidecar.bench.gateway import _PICKER, PICKERS
 from kvsidecar.daemon import gateway as gw
 from kvsidecar.daemon.config import Discovery, Polling
+from kvsidecar.daemon.target import Target
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.web import poll_server
 from kvsidecar.web.poll_server import PollServer
@@ -50,6 +58,32 @@ CANDIDATES = ["full", "word"] if hasattr(gw, "FULL_CHECK_EVERY") else ["before"]
 COMPILED = getattr(poll_server, "FAST", False)
 if COMPILED:
     CANDIDATES.append("compiled")
+
+
+# Thread CPU ns and calls of the parts of a full check, on the listener's thread only.
+PARTS: dict[str, list[int]] = {}
+
+
+def _timed(key: str, f: Callable) -> Callable:
+    def timed(*args: Any, **kwargs: Any) -> Any:
+        if threading.current_thread().name != "kvsidecar-gateway":
+            return f(*args, **kwargs)
+        t0 = time.thread_time_ns()
+        try:
+            return f(*args, **kwargs)
+        finally:
+            part = PARTS.setdefault(key, [0, 0])
+            part[0] += time.thread_time_ns() - t0
+            part[1] += 1
+
+    return timed
+
+
+def _time_parts() -> None:
+    """Time the full check's parts where this checkout's Gateway and Target have them."""
+    gw.Gateway._answer = _timed("full_check_us", gw.Gateway._answer)  # type: ignore[method-assign]
+    gw.Gateway._body = _timed("body_us", gw.Gateway._body)  # type: ignore[method-assign]
+    Target.poll = _timed("target_poll_us", Target.poll)  # type: ignore[method-assign]
 
 
 def _thread_cpu(tid: int) -> tuple[float, float]:
@@ -110,11 +144,13 @@ def _one(
     try:
         time.sleep(2.0)  # connections made, caches warm
         tid = server._thread.native_id  # type: ignore[union-attr]
+        PARTS.clear()
         c0, n0, f0 = _thread_cpu(tid), _counts(counter), getattr(gateway, "full_checks", 0)
         k0 = getattr(server, "fast_polls", 0)
         time.sleep(seconds)
         c1, n1, f1 = _thread_cpu(tid), _counts(counter), getattr(gateway, "full_checks", 0)
         k1 = getattr(server, "fast_polls", 0)
+        parts = {k: round(ns / max(1, n) / 1000, 1) for k, (ns, n) in PARTS.items()}
     finally:
         picker.kill()
         picker.wait()
@@ -131,6 +167,7 @@ def _one(
         "full_check_share": (f1 - f0) / max(1, polls),
         "compiled_share": (k1 - k0) / max(1, polls),
         "fresh_fraction": (n1[1] - n0[1]) / max(1, n1[2] - n0[2]),
+        **parts,
     }
 
 
@@ -150,6 +187,7 @@ def main() -> None:
     )
     a = p.parse_args()
     CANDIDATES[:] = [c for c in CANDIDATES if c in a.candidates.split(",")]
+    _time_parts()
     json.dump(measure(a.seconds, a.hz, a.steps_per_s), sys.stdout, indent=1)
     print()
 

@@ -43,7 +43,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from kvsidecar.daemon.config import GatewayOptions
-from kvsidecar.daemon.gateway_body import CONTENT_TYPE, render, timeless
+from kvsidecar.daemon.gateway_body import CONTENT_TYPE, timeless
+from kvsidecar.daemon.gateway_template import Templates
 from kvsidecar.daemon.target import Target
 from kvsidecar.daemon.targets import TargetSet
 from kvsidecar.protocol import _seqlock
@@ -124,6 +125,7 @@ class Gateway:
         self._lock = threading.Lock()
         # Per segment: the body of its last (incarnation, seq), while no age is in it.
         self._bodies: dict[str, tuple[tuple[int, int], bytes]] = {}
+        self._templates = Templates()  # each identity's text: a new step formats numbers
         self._checked: dict[int, _Checked] = {}  # per rank
         # Per rank, the same check for the listener's compiled path (poll_server.FastSlot).
         self._slots: dict[int, FastSlot] = {}
@@ -273,7 +275,7 @@ class Gateway:
             return cached[1], True
         # Ages on the writer's clock: ours less the offset of a writer in another time
         # namespace (as the collector does; without it the age was the offset, 1000s of s).
-        body = render(last.snapshot, time.monotonic_ns() - clock_offset_ns)
+        body = self._templates.render(last.snapshot, time.monotonic_ns() - clock_offset_ns)
         if timeless(last.snapshot):
             if len(self._bodies) > 1024:  # names come and go: never grow without bound
                 self._bodies.clear()

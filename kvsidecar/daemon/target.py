@@ -17,17 +17,16 @@ from dataclasses import dataclass, field, replace
 
 import msgspec
 
+from kvsidecar.daemon import fastcheck
 from kvsidecar.daemon.budget import (
     STAMP_SLACK_NS,
     BoundedSnapshotDecoder,
     Budget,
     OverBudget,
-    check,
     exposition_estimate,
     health_estimate,
     identity_error,
     reject_future_stamps,
-    sanitize,
 )
 from kvsidecar.daemon.refusals import bump
 from kvsidecar.protocol import layout
@@ -309,14 +308,16 @@ class Target:
             # The same snapshot as last poll (only the heartbeat moved): checked already.
             result = msgspec.structs.replace(result, snapshot=v.last.snapshot)
         else:
+            # budget.py's checks, each record decided whole in C where it is in range.
+            facts = fastcheck.Facts(result.snapshot)
             try:
-                check(result.snapshot, self.budget)
+                fastcheck.check(result.snapshot, self.budget, facts)
             except OverBudget as e:
                 return self._over_budget(v, e, now)
             wrong = identity_error(result.snapshot)
             if wrong is not None:
                 return self._failed(v, Corrupt(f"segment {self.name}: {wrong}"), now)
-            snapshot, rejected = sanitize(result.snapshot)
+            snapshot, rejected = fastcheck.sanitize(result.snapshot, facts)
             for f in result.rejected:  # wrong types, already None from the reader
                 rejected[f] = rejected.get(f, 0) + 1
             if rejected:

@@ -87,6 +87,13 @@ def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
     return pub
 
 
+# The engine writes one BlockStored's blocks one record at a time (a few microseconds
+# apart), and no record says "the last": a read can end inside a run. Its blocks so far
+# are held until the next record shows whether the run goes on, or until no record came
+# for this long (the engine's call is over), so that one vLLM event stays one event.
+HOLD_S = 0.05
+
+
 class _State:
     """What this publisher has announced, per slot: the version (0: nothing), hash,
     group and medium. Fixed arrays sized from the segment: 19 bytes per block."""
@@ -220,6 +227,8 @@ class RankPublisher:
         self._state: _State | None = None
         self._incarnation = 0
         self._next = 1  # the next ring record to read
+        self._held: list[Block] = []  # a BlockStored run the last read ended in (HOLD_S)
+        self._held_since = 0.0
         self._engine_gone = True  # nothing announced yet: no clear owed
         self._last_sent = 0.0  # time.monotonic() of the last batch
         self.stats = {"batches": 0, "events": 0, "resyncs": 0, "overruns": 0, "replays": 0}
@@ -353,7 +362,18 @@ class RankPublisher:
             self.options.topic,
         )
 
+    def _publish_held(self, reader: KVEventsReader) -> None:
+        """The held run, as its BlockStored (before anything that follows it)."""
+        if self._held:
+            run, self._held = self._held, []
+            state = self._state
+            assert state is not None
+            for b in run:
+                state.announce(b)
+            self._publish([stored_event(reader, run)])
+
     def _gone(self, why: str) -> None:
+        self._held = []  # its blocks are cleared with the rest
         if not self._engine_gone:
             log.info("kv events %s: engine gone (%s): AllBlocksCleared", self.name, why)
             self._publish([AllBlocksCleared()])
@@ -363,6 +383,7 @@ class RankPublisher:
 
     def _resync_full(self, reader: KVEventsReader) -> None:
         """A new writer incarnation: clear, then the whole table (parents first)."""
+        self._held = []  # the whole table follows
         head, rows, events = kv_events_state.full_state(reader, signed=self._signed)
         state = self._state
         assert state is not None
@@ -375,6 +396,7 @@ class RankPublisher:
 
     def _resync_diff(self, reader: KVEventsReader) -> None:
         """Overrun (the same writer): remove what is no longer cached, store what is new."""
+        self._publish_held(reader)  # first: the diff starts from what was published
         head, _epoch, blocks = reader.cached_blocks()
         state = self._state
         assert state is not None
@@ -400,22 +422,31 @@ class RankPublisher:
             self._resync_diff(reader)
             return
         if not records:
+            if self._held and time.monotonic() - self._held_since >= HOLD_S:
+                self._publish_held(reader)
             return
         self._next = records[-1].seq + 1
-        events = self.events_for(reader, records)
+        events = self.events_for(reader, records, hold=True)
         if events:
             self._publish(events)
 
-    def events_for(self, reader: KVEventsReader, records: list[Record]) -> list[object]:
+    def events_for(
+        self, reader: KVEventsReader, records: list[Record], hold: bool = False
+    ) -> list[object]:
         """vLLM's events for ring records, checked against what was announced: a store
-        whose slot was re-stored since (its data gone) is left out with its removal."""
+        whose slot was re-stored since (its data gone) is left out with its removal.
+        ``hold``: a run of stores that the records end in is held (`HOLD_S`), and the
+        held run of the previous call goes on or comes first."""
         state = self._state
         assert state is not None
         events: list[object] = []
-        run: list[Block] = []  # the BlockStored being built (one request's run)
+        run: list[Block] = self._held  # the BlockStored being built (one request's run)
+        self._held = []
 
         def flush() -> None:
-            if run:
+            if run:  # announced once published (a full state meanwhile leaves it out)
+                for b in run:
+                    state.announce(b)
                 events.append(stored_event(reader, run))
                 run.clear()
 
@@ -431,7 +462,6 @@ class RankPublisher:
                 if not (run and not r.flags & kvl.REC_FIRST and _continues(run[-1], b)):
                     flush()
                 run.append(b)
-                state.announce(b)
             elif r.kind == kvl.KIND_REMOVED:
                 flush()
                 if state.version[r.slot] == r.version and r.version:
@@ -440,6 +470,9 @@ class RankPublisher:
                 flush()
                 events.append(AllBlocksCleared())
                 state.clear()
+        if hold and run and records[-1].kind == kvl.KIND_STORED:
+            self._held, self._held_since = list(run), time.monotonic()
+            run.clear()
         flush()
         return events
 

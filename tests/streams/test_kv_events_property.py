@@ -8,6 +8,8 @@ exactly the writer's cached blocks."""
 
 from __future__ import annotations
 
+import time
+
 import msgspec
 import pytest
 from hypothesis import HealthCheck, given, settings
@@ -21,7 +23,7 @@ from kvsidecar.daemon.config import KVEventsOptions
 from kvsidecar.protocol.kv_events_reader import KVEventsReader, Overrun
 from kvsidecar.protocol.kv_events_writer import KVEventsWriter
 from kvsidecar.streams.kv_events_wire import KVEventBatch
-from kvsidecar.streams.kv_events_zmq import RankPublisher
+from kvsidecar.streams.kv_events_zmq import HOLD_S, RankPublisher
 
 SLOTS, RING = 6, 8
 # Polls are rare enough that the writer often laps the ring (8) between two of them.
@@ -104,6 +106,8 @@ def test_a_consumer_of_the_publisher_holds_the_writers_blocks(shm_dir: str, ops)
             else:
                 model.apply(op, slot)
         pub.poll_once()
+        time.sleep(HOLD_S)  # a run the last read ended in is held that long
+        pub.poll_once()
         held: set[int] = set()
         dec = msgspec.msgpack.Decoder(KVEventBatch)
         for _, payload in pub._buffer:
@@ -117,6 +121,51 @@ def test_a_consumer_of_the_publisher_holds_the_writers_blocks(shm_dir: str, ops)
                 else:
                     held.clear()
         assert held == set(model.cached.values())
+    finally:
+        pub._close()
+        w.close()
+        ctx.term()
+
+
+def test_a_read_inside_a_run_of_stores_keeps_it_one_blockstored(shm_dir: str) -> None:
+    """The engine writes one BlockStored's blocks one record at a time; a read that ends
+    inside the run (seen on the real vLLM server: vLLM's one event of 4 blocks came out as
+    3 + 1) must not split it: the run is held until its next record or HOLD_S."""
+    w = KVEventsWriter("kvevents.s.dp0.tp0.pp0", n_slots=SLOTS, block_size=4, shm_dir=shm_dir,
+                       ring_cap=RING)  # fmt: skip
+    ctx = zmq.Context()
+    pub = RankPublisher("kvevents.s.dp0.tp0.pp0", shm_dir, KVEventsOptions("inproc://s"), ctx)
+    dec = msgspec.msgpack.Decoder(KVEventBatch)
+
+    def published() -> list[tuple[str, list[int]]]:
+        return [
+            (type(e).__name__, list(getattr(e, "block_hashes", [])))
+            for _, payload in pub._buffer
+            for e in dec.decode(payload).events
+        ]
+
+    try:
+        pub.poll_once()  # attached: its (empty) state
+        w.stored(0, 11, None, [1] * 4, first=True)
+        w.stored(1, 12, 11, [2] * 4, first=False)
+        pub.poll_once()  # the read ends inside the run
+        w.stored(2, 13, 12, [3] * 4, first=False)
+        pub.poll_once()
+        w.stored(3, 21, None, [4] * 4, first=True)  # the next run: the first one ended
+        pub.poll_once()
+        assert published() == [("AllBlocksCleared", []), ("BlockStored", [11, 12, 13])]
+        time.sleep(HOLD_S)
+        pub.poll_once()  # no record for HOLD_S: the engine's call is over
+        assert published()[2:] == [("BlockStored", [21])]
+        w.removed(3, 21)
+        w.stored(3, 22, None, [5] * 4, first=True)
+        w.removed(0, 11)  # a removal ends a run too
+        pub.poll_once()
+        assert published()[3:] == [
+            ("BlockRemoved", [21]),
+            ("BlockStored", [22]),
+            ("BlockRemoved", [11]),
+        ]
     finally:
         pub._close()
         w.close()

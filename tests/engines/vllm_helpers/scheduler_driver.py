@@ -17,9 +17,11 @@ Prints one ``RESULT {json}`` line per run (a config and a seed, or a sabotaged r
 from __future__ import annotations
 
 import argparse
+import atexit
 import json
 import os
 import random
+import shutil
 import sys
 import tempfile
 import time
@@ -96,10 +98,18 @@ def build(cfg: Config, model_dir: str):
             kv_connector_extra_config={"hold": cfg.connector == "kv_producer"},
         )
     events = None
-    if os.environ.get("KVSIDECAR_KV_EVENTS") == "1":  # vLLM's queue on, as the reference
+    if os.environ.get("KVSIDECAR_KV_EVENTS") == "1":  # vLLM's own publisher, the reference
         from vllm.config import KVEventsConfig
 
-        events = KVEventsConfig(enable_kv_cache_events=True, publisher="null")
+        wire = tempfile.mkdtemp(prefix="kvsidecar-kvev-")  # its sockets (KVEventsCheck.wire)
+        atexit.register(shutil.rmtree, wire, True)
+        events = KVEventsConfig(
+            enable_kv_cache_events=True,
+            publisher="zmq",
+            endpoint=f"ipc://{wire}/pub",
+            replay_endpoint=f"ipc://{wire}/replay",
+            topic="vllm",
+        )
     vllm_config = VllmConfig(
         scheduler_config=sched_cfg,
         model_config=model,
@@ -510,6 +520,7 @@ class KVEventsCheck:
         from kvsidecar.streams.kv_events_zmq import RankPublisher, _State
 
         self.builtins = msgspec.to_builtins
+        self.sched = sched
         mgr = self.mgr = sched.kv_cache_manager
         take = mgr.take_events
 
@@ -533,8 +544,13 @@ class KVEventsCheck:
     def compare(self, where: str, bad: list[str], final: bool = False) -> None:
         if not self.on:
             return
-        if final:
-            self.mgr.take_events()  # what is still queued
+        if final:  # what is still queued, published as update_from_output publishes it
+            from vllm.distributed.kv_events import KVEventBatch
+
+            events = self.mgr.take_events()
+            if events:
+                self.sched.kv_event_publisher.publish(KVEventBatch(ts=time.time(), events=events))
+            self.wire(bad)
         records = self.reader.records(self.next, 1 << 20)
         if records:
             self.next = records[-1].seq + 1
@@ -550,6 +566,45 @@ class KVEventsCheck:
             bad.append(f"{where}: KV event {i}: ours {ours} != vLLM's {theirs}")
             self.on = False  # one report: the lists diverged
 
+    def wire(self, bad: list[str]) -> None:
+        """What vLLM's own ZMQ publisher sent (its replay from 0, the whole run: fewer
+        batches than its buffer), decoded with vLLM's own classes: exactly the events
+        take_events handed it (``self.theirs``), in order."""
+        import msgspec
+        import zmq
+        from vllm.distributed.kv_events import KVEventBatch
+
+        from kvsidecar.streams.kv_events_wire import END_SEQ
+
+        endpoint = self.sched.kv_event_publisher.get_publisher_config().replay_endpoint
+        decoder = msgspec.msgpack.Decoder(KVEventBatch)
+        ctx = zmq.Context.instance()
+        sent: list = []
+        for _ in range(100):  # its thread may still be sending the last batches
+            dealer = ctx.socket(zmq.DEALER)
+            dealer.setsockopt(zmq.LINGER, 0)
+            dealer.connect(endpoint)
+            dealer.send_multipart([b"", (0).to_bytes(8, "big")])
+            sent = []
+            try:
+                while dealer.poll(10_000):
+                    _, _topic, seq, payload = dealer.recv_multipart()
+                    if seq == END_SEQ:
+                        break
+                    sent.extend(self._view(decoder.decode(payload).events))
+            finally:
+                dealer.close()
+            if len(sent) >= len(self.theirs):
+                break
+            time.sleep(0.1)
+        self.wire_events = len(sent)
+        if sent != self.theirs:
+            i = next((i for i, (a, b) in enumerate(zip(sent, self.theirs)) if a != b), None)
+            bad.append(
+                f"vLLM's publisher sent {len(sent)} events, take_events {len(self.theirs)};"
+                f" first difference at {i}"
+            )
+
     def _view(self, events) -> list:
         out = [self.builtins(e) for e in events]
         if not self.by_block:
@@ -561,10 +616,20 @@ class KVEventsCheck:
         ]
 
     def counts(self) -> dict:
-        out: dict = {"kv_events_compared": len(self.theirs), "kv_events_by_block": self.by_block}
+        out: dict = {
+            "kv_events_compared": len(self.theirs),
+            "kv_events_by_block": self.by_block,
+            "kv_events_on_vllms_wire": getattr(self, "wire_events", None),
+        }
+        groups: set = set()
+        for e in self.ours:  # the sidecar's events: the KV-cache groups its BlockStored name
+            kind = e[0] if self.by_block else e["type"]
+            if kind == "BlockStored":
+                groups.add(e[2] if self.by_block else e["group_idx"])
         for e in self.theirs:
             kind = e[0] if self.by_block else e["type"]
             out[kind] = out.get(kind, 0) + 1
+        out["stored_group_idx"] = sorted(groups, key=str)
         return out
 
 
