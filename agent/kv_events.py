@@ -72,10 +72,20 @@ class KVEventsRecorder:
     ) -> None:
         """Block ``slot`` now caches ``block_hash``; ``fields``: `KVEventsWriter.stored`'s
         (first, group_idx, medium, lora_id, lora_name, spec)."""
-        self._call("stored", slot, block_hash, parent_hash, token_ids, **fields)
+        w = self._w  # the hot path: the writer's method called directly
+        if w is not None:
+            try:
+                w.stored(slot, block_hash, parent_hash, token_ids, **fields)
+            except Exception as e:
+                self._fail("stored", e)
 
     def removed(self, slot: int, block_hash: int, *, group_idx: int = 0) -> None:
-        self._call("removed", slot, block_hash, group_idx=group_idx)
+        w = self._w
+        if w is not None:
+            try:
+                w.removed(slot, block_hash, group_idx=group_idx)
+            except Exception as e:
+                self._fail("removed", e)
 
     def cleared(self) -> None:
         self._call("cleared")

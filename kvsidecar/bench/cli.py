@@ -853,6 +853,9 @@ def gateway_cmd(quick: bool, out: str, with_vllm: bool = False) -> None:
 @click.option("--rounds", type=int, help="Interleaved rounds (default 10, quick 3).")
 @click.option("--steps", type=int, help="Engine steps a round (default 600, quick 150).")
 @click.option(
+    "--vllm-rounds", type=int, help="With --vllm: rounds a server start (default 6, quick 3)."
+)
+@click.option(
     "--snapshot-blocks",
     type=int,
     multiple=True,
@@ -865,6 +868,7 @@ def kvevents_cmd(
     rounds: int | None = None,
     steps: int | None = None,
     snapshot_blocks: tuple[int, ...] = (),
+    vllm_rounds: int | None = None,
 ) -> None:
     """KV events: the engine's CPU, syscalls and throughput with its own publisher vs
     kvsidecar vs none, stalled subscribers, the daemon, the full-state snapshot (#42)."""
@@ -876,6 +880,7 @@ def kvevents_cmd(
         rounds=rounds,
         steps=steps,
         snapshot_blocks=snapshot_blocks or None,
+        vllm_rounds=vllm_rounds,
     )
     for table in kvevents.tables(r):
         report.print_table(*table)

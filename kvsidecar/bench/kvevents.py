@@ -467,6 +467,7 @@ def run(
     rounds: int | None = None,
     steps: int | None = None,
     snapshot_blocks: tuple[int, ...] | None = None,
+    vllm_rounds: int | None = None,
 ) -> dict[str, Any]:
     out: dict[str, Any] = {"quick": quick, "host": host_conditions()}
     sizes = snapshot_blocks or ((100_000,) if quick else (100_000, 1_000_000))
@@ -477,8 +478,10 @@ def run(
         steps=steps or (150 if quick else 600),
         strace_steps=50 if quick else 200,
     )
-    if vllm:  # not built yet: the real server's side of this table (#42 item 6)
-        out["vllm"] = {"skipped": "not built yet: use bench cost --vllm's server set-up"}
+    if vllm:  # the real server: three starts (kvevents_vllm.py)
+        from kvsidecar.bench import kvevents_vllm
+
+        out["vllm"] = kvevents_vllm.run(quick=quick, rounds=vllm_rounds)
     out["host_after"] = host_conditions()
     return out
 
@@ -555,4 +558,8 @@ def tables(r: dict[str, Any]) -> list[tuple[str, list[str], list[list[Any]]]]:
               " ".join(map(str, r["host"]["load_average"]))]],
         )
     )  # fmt: skip
+    if (v := r.get("vllm")) and "skipped" not in v:
+        from kvsidecar.bench import kvevents_vllm
+
+        out += kvevents_vllm.tables(v)
     return out

@@ -435,6 +435,221 @@ done:
     return result;
 }
 
+/* The stored and removed records, one C call each (kv_stored, kv_removed): the slot's
+ * fields and the ring record written here from their values, the token ids copied from
+ * the list, so the engine thread does no struct packing. The bytes are kv_commit's with
+ * SLOT_BODY and RECORD (kv_events_layout.py; segment-format.md section 9). Every argument
+ * is checked before anything is written: a bad one raises and leaves the segment as it
+ * was. */
+#define KV_RECORD_SIZE 32
+#define KV_SLOT_FIXED 56
+
+static int kv_u64(PyObject *o, uint64_t *out) {
+    /* An int taken modulo 2**64 (the writer masks hashes the same way). */
+    if (!PyLong_Check(o)) {
+        PyErr_SetString(PyExc_TypeError, "kv: an int is required");
+        return -1;
+    }
+    *out = (uint64_t)PyLong_AsUnsignedLongLongMask(o);
+    return (*out == (uint64_t)-1 && PyErr_Occurred()) ? -1 : 0;
+}
+
+static int kv_range(PyObject *o, uint64_t max, uint64_t *out) {
+    /* An int (or an object with __index__) in 0..max (else OverflowError). */
+    int overflow = 0;
+    long long v;
+    if (PyLong_Check(o)) {
+        v = PyLong_AsLongLongAndOverflow(o, &overflow);
+    } else {
+        PyObject *i = PyNumber_Index(o);
+        if (i == NULL) return -1;
+        v = PyLong_AsLongLongAndOverflow(i, &overflow);
+        Py_DECREF(i);
+    }
+    if (v == -1 && PyErr_Occurred()) return -1;
+    if (overflow || v < 0 || (uint64_t)v > max) {
+        PyErr_SetString(PyExc_OverflowError, "kv: a value out of its field's range");
+        return -1;
+    }
+    *out = (uint64_t)v;
+    return 0;
+}
+
+static int kv_ssize(PyObject *o, Py_ssize_t *out) {
+    Py_ssize_t v = PyNumber_AsSsize_t(o, PyExc_OverflowError);
+    if (v == -1 && PyErr_Occurred()) return -1;
+    *out = v;
+    return 0;
+}
+
+/* The ring record, then the head (kv_commit's K4/K5). Inside the caller's guard. */
+static uint64_t kv_append(uint8_t *base, Py_ssize_t ring_off, uint64_t ring_mask,
+                          Py_ssize_t head_off, uint8_t kind, uint8_t rec_flags, uint16_t group,
+                          uint32_t slot, uint64_t version, uint64_t block_hash) {
+    uint64_t *headp = (uint64_t *)(base + head_off);
+    uint64_t head = __atomic_load_n(headp, __ATOMIC_RELAXED) + 1;
+    uint8_t rec[KV_RECORD_SIZE];
+    memcpy(rec, &head, 8);
+    rec[8] = kind;
+    rec[9] = rec_flags;
+    memcpy(rec + 10, &group, 2);
+    memcpy(rec + 12, &slot, 4);
+    memcpy(rec + 16, &version, 8);
+    memcpy(rec + 24, &block_hash, 8);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* K4 */
+    memcpy(base + ring_off + ((head - 1) & ring_mask) * KV_RECORD_SIZE, rec, KV_RECORD_SIZE);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* K5 */
+    __atomic_store_n(headp, head, __ATOMIC_RELAXED);
+    return head;
+}
+
+static int kv_ring_ok(Py_ssize_t len, Py_ssize_t ring_off, uint64_t ring_mask,
+                      Py_ssize_t head_off) {
+    return ring_mask < (uint64_t)PY_SSIZE_T_MAX / KV_RECORD_SIZE &&
+           ((ring_mask + 1) & ring_mask) == 0 &&
+           kv_bounds(len, ring_off, (Py_ssize_t)(ring_mask + 1) * KV_RECORD_SIZE) &&
+           kv_bounds(len, head_off, 8);
+}
+
+/* The slot at slot_off under its seqlock (body at +8, then the n token ids at
+ * KV_SLOT_FIXED, then the flags byte loses clear_mask), then the ring record: returns the
+ * new head, or 0 with OSError set when the pages are gone (SIGBUS). */
+static uint64_t kv_write(uint8_t *base, Py_ssize_t slot_off, const uint8_t *body, size_t body_len,
+                         PyObject **items, Py_ssize_t n, uint8_t clear_mask, Py_ssize_t ring_off,
+                         uint64_t ring_mask, Py_ssize_t head_off, uint8_t kind, uint8_t rec_flags,
+                         uint16_t group, uint32_t slot, uint64_t version, uint64_t block_hash) {
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        PyErr_SetString(PyExc_OSError, "segment pages are gone (truncated by another process)");
+        return 0;
+    }
+    guard_set(&jb);
+    uint64_t *seqp = (uint64_t *)(base + slot_off);
+    uint64_t s = __atomic_load_n(seqp, __ATOMIC_RELAXED) & ~(uint64_t)1;
+    __atomic_store_n(seqp, s + 1, __ATOMIC_RELAXED);
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* K1 */
+    if (body_len) memcpy(base + slot_off + 8, body, body_len);
+    uint8_t *tok = base + slot_off + KV_SLOT_FIXED;
+    for (Py_ssize_t i = 0; i < n; i++) { /* checked by the caller: u32 each */
+        uint32_t t = (uint32_t)PyLong_AsUnsignedLongMask(items[i]);
+        memcpy(tok + 4 * i, &t, 4);
+    }
+    if (clear_mask) base[slot_off + KV_SLOT_FLAGS_AT] &= (uint8_t)~clear_mask;
+    __atomic_thread_fence(__ATOMIC_RELEASE); /* K2 */
+    __atomic_store_n(seqp, s + 2, __ATOMIC_RELAXED);
+    uint64_t head = kv_append(base, ring_off, ring_mask, head_off, kind, rec_flags, group, slot,
+                              version, block_hash);
+    guard_clear();
+    return head;
+}
+
+/* kv_stored(seg, slot_off, stride, slot, version, block_hash, parent, epoch, flags, medium,
+ *           group, name_idx, spec_idx, lora, token_ids, ring_off, ring_mask, head_off,
+ *           rec_flags) -> head
+ * The slot at slot_off (stride bytes, little-endian fields at +8: version, block_hash,
+ * parent, epoch, flags, medium, group, n = len(token_ids), name_idx, spec_idx, 0, lora,
+ * then the n token ids as u32) under its seqlock, then a KIND_STORED record. */
+static PyObject *py_kv_stored(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 19) {
+        PyErr_SetString(PyExc_TypeError, "kv_stored takes 19 arguments");
+        return NULL;
+    }
+    Py_ssize_t slot_off, stride, ring_off, head_off;
+    uint64_t slot, version, block_hash, parent, epoch, flags, medium, group, name_idx,
+        spec_idx, lora, ring_mask, rec_flags;
+    if (kv_ssize(args[1], &slot_off) || kv_ssize(args[2], &stride) ||
+        kv_range(args[3], 0xFFFFFFFFu, &slot) || kv_u64(args[4], &version) ||
+        kv_u64(args[5], &block_hash) || kv_u64(args[6], &parent) || kv_u64(args[7], &epoch) ||
+        kv_range(args[8], 0xFF, &flags) || kv_range(args[9], 0xFF, &medium) ||
+        kv_range(args[10], 0xFFFF, &group) || kv_range(args[11], 0xFFFF, &name_idx) ||
+        kv_range(args[12], 0xFFFF, &spec_idx) || kv_u64(args[13], &lora) ||
+        kv_ssize(args[15], &ring_off) || kv_u64(args[16], &ring_mask) ||
+        kv_ssize(args[17], &head_off) || kv_range(args[18], 0xFF, &rec_flags))
+        return NULL;
+    PyObject *tokens = PySequence_Fast(args[14], "kv_stored: token_ids must be a sequence");
+    if (tokens == NULL) return NULL;
+    Py_ssize_t n = PySequence_Fast_GET_SIZE(tokens);
+    PyObject **items = PySequence_Fast_ITEMS(tokens);
+    Py_buffer seg;
+    PyObject *result = NULL;
+    if (PyObject_GetBuffer(args[0], &seg, PyBUF_WRITABLE) != 0) {
+        Py_DECREF(tokens);
+        return NULL;
+    }
+    if (n > 0xFFFF || stride < KV_SLOT_FIXED || n > (stride - KV_SLOT_FIXED) / 4) {
+        PyErr_Format(PyExc_ValueError, "kv_stored: %zd token ids do not fit the slot", n);
+        goto done;
+    }
+    if (!kv_bounds(seg.len, slot_off, stride) || !kv_ring_ok(seg.len, ring_off, ring_mask, head_off)) {
+        PyErr_SetString(PyExc_ValueError, "kv_stored: offset out of the segment");
+        goto done;
+    }
+    for (Py_ssize_t i = 0; i < n; i++) { /* checked before anything is written */
+        uint64_t t;
+        if (kv_range(items[i], 0xFFFFFFFFu, &t)) goto done;
+    }
+    uint8_t body[KV_SLOT_FIXED - 8];
+    uint32_t epoch32 = (uint32_t)epoch, n16 = (uint32_t)n;
+    uint16_t g16 = (uint16_t)group, nm16 = (uint16_t)name_idx, sp16 = (uint16_t)spec_idx,
+             nn16 = (uint16_t)n16, zero = 0;
+    memcpy(body + 0, &version, 8);
+    memcpy(body + 8, &block_hash, 8);
+    memcpy(body + 16, &parent, 8);
+    memcpy(body + 24, &epoch32, 4);
+    body[28] = (uint8_t)flags;
+    body[29] = (uint8_t)medium;
+    memcpy(body + 30, &g16, 2);
+    memcpy(body + 32, &nn16, 2);
+    memcpy(body + 34, &nm16, 2);
+    memcpy(body + 36, &sp16, 2);
+    memcpy(body + 38, &zero, 2);
+    memcpy(body + 40, &lora, 8);
+    uint64_t head = kv_write(seg.buf, slot_off, body, sizeof body, items, n, 0, ring_off, ring_mask,
+                             head_off, 1 /* KIND_STORED */, (uint8_t)rec_flags, g16,
+                             (uint32_t)slot, version, block_hash);
+    if (head == 0) goto done;
+    result = PyLong_FromUnsignedLongLong(head);
+done:
+    PyBuffer_Release(&seg);
+    Py_DECREF(tokens);
+    return result;
+}
+
+/* kv_removed(seg, slot_off, slot, version, block_hash, group, ring_off, ring_mask, head_off)
+ * -> head: the slot's FLAG_CACHED cleared under its seqlock, then a KIND_REMOVED record. */
+static PyObject *py_kv_removed(PyObject *self, PyObject *const *args, Py_ssize_t nargs) {
+    (void)self;
+    if (nargs != 9) {
+        PyErr_SetString(PyExc_TypeError, "kv_removed takes 9 arguments");
+        return NULL;
+    }
+    Py_ssize_t slot_off, ring_off, head_off;
+    uint64_t slot, version, block_hash, group, ring_mask;
+    if (kv_ssize(args[1], &slot_off) || kv_range(args[2], 0xFFFFFFFFu, &slot) ||
+        kv_u64(args[3], &version) || kv_u64(args[4], &block_hash) ||
+        kv_range(args[5], 0xFFFF, &group) || kv_ssize(args[6], &ring_off) ||
+        kv_u64(args[7], &ring_mask) || kv_ssize(args[8], &head_off))
+        return NULL;
+    Py_buffer seg;
+    if (PyObject_GetBuffer(args[0], &seg, PyBUF_WRITABLE) != 0) return NULL;
+    PyObject *result = NULL;
+    if (!kv_bounds(seg.len, slot_off, KV_SLOT_FLAGS_AT + 1) ||
+        !kv_ring_ok(seg.len, ring_off, ring_mask, head_off)) {
+        PyErr_SetString(PyExc_ValueError, "kv_removed: offset out of the segment");
+        goto done;
+    }
+    uint64_t head = kv_write(seg.buf, slot_off, NULL, 0, NULL, 0, 1 /* FLAG_CACHED */, ring_off,
+                             ring_mask, head_off, 2 /* KIND_REMOVED */, 0, (uint16_t)group,
+                             (uint32_t)slot, version, block_hash);
+    if (head == 0) goto done;
+    result = PyLong_FromUnsignedLongLong(head);
+done:
+    PyBuffer_Release(&seg);
+    return result;
+}
+
 /* kv_store_u64(seg, off, value): fence_release, then one aligned 8-byte store. */
 static PyObject *py_kv_store_u64(PyObject *self, PyObject *args) {
     Py_buffer seg;
@@ -849,6 +1064,13 @@ static PyMethodDef methods[] = {
      "Install the SIGBUS handler that turns faults in guarded copies into errors."},
     {"kv_commit", py_kv_commit, METH_VARARGS,
      "kv_commit(seg, slot_off, slot_data, clear_mask, rec_off, rec_data, head_off) -> head."},
+    {"kv_stored", (PyCFunction)(void (*)(void))py_kv_stored, METH_FASTCALL,
+     "kv_stored(seg, slot_off, stride, slot, version, block_hash, parent, epoch, flags, medium,"
+     " group, name_idx, spec_idx, lora, token_ids, ring_off, ring_mask, head_off, rec_flags)"
+     " -> head."},
+    {"kv_removed", (PyCFunction)(void (*)(void))py_kv_removed, METH_FASTCALL,
+     "kv_removed(seg, slot_off, slot, version, block_hash, group, ring_off, ring_mask,"
+     " head_off) -> head."},
     {"kv_store_u64", py_kv_store_u64, METH_VARARGS, "kv_store_u64(seg, off, value): release store."},
     {"kv_load_u64", py_kv_load_u64, METH_VARARGS, "kv_load_u64(seg, off) -> int: acquire load."},
     {"kv_slot_read", py_kv_slot_read, METH_VARARGS,

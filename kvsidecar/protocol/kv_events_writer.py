@@ -3,8 +3,9 @@
 Created like the snapshot segment (writer.SegmentFile: exclusive temporary file, mode
 0640, preallocated, magic last, OFD liveness lock, install under the name's lock,
 generation + 1 over a dead predecessor). Sized once from the number of blocks; every
-event is a few ``struct.pack_into`` calls into preallocated buffers and one C call
-(``_seqlock.kv_commit``): no encoding, no system call, no lock, no allocation that
+block stored or removed is one C call (``_seqlock.kv_stored`` / ``kv_removed``: the
+slot's fields and the ring record written from their values, the token ids copied from
+the list): no encoding, no system call, no lock, no allocation that
 grows, and nothing a reader does can make it wait (readers map the file read-only).
 
 Not thread-safe: one engine thread records events (the one that owns the block pool).
@@ -65,11 +66,11 @@ class KVEventsWriter(SegmentFile):
         self._versions = array("Q", bytes(8 * n_slots))
         self._hashes = array("Q", bytes(8 * n_slots))
         self._live = array("Q", bytes(8 * n_slots))
-        self._slot_buf = bytearray(geometry.slot_stride)
         self._rec_buf = bytearray(kvl.RECORD_SIZE)
         self._names: dict[str, int] = {}
-        self._tokens: dict[int, struct.Struct] = {}
         self._commit = _seqlock.kv_commit
+        self._stored_c = _seqlock.kv_stored
+        self._removed_c = _seqlock.kv_removed
         self._table_off = geometry.table_off
         self._stride = geometry.slot_stride
         self._ring_off = geometry.ring_off
@@ -133,10 +134,11 @@ class KVEventsWriter(SegmentFile):
         name_idx = 0 if lora_name is None else self._name_index(lora_name)
         spec_idx = 0 if spec is None else self._name_index(spec)
         block_hash &= MASK64
-        buf = self._slot_buf
-        kvl.SLOT_BODY.pack_into(
-            buf,
-            0,
+        self.head = head = self._stored_c(
+            mm,
+            self._table_off + slot * self._stride,
+            self._stride,
+            slot,
             version,
             block_hash,
             parent,
@@ -144,41 +146,19 @@ class KVEventsWriter(SegmentFile):
             flags,
             kvl.MEDIUM_CODES[medium],
             group_idx,
-            n,
             name_idx,
             spec_idx,
-            0,
             lora,
-        )
-        tokens = self._tokens.get(n)
-        if tokens is None:
-            tokens = self._tokens[n] = struct.Struct(f"<{n}I")
-        tokens.pack_into(buf, kvl.SLOT_FIXED - 8, *token_ids)
-        head = self.head + 1
-        kvl.RECORD.pack_into(
-            self._rec_buf,
-            0,
-            head,
-            kvl.KIND_STORED,
-            kvl.REC_FIRST if first else 0,
-            group_idx,
-            slot,
-            version,
-            block_hash,
-        )
-        self.head = self._commit(
-            mm,
-            self._table_off + slot * self._stride,
-            memoryview(buf)[: kvl.SLOT_FIXED - 8 + 4 * n],
-            0,
-            self._ring_off + ((head - 1) & self._ring_mask) * kvl.RECORD_SIZE,
-            self._rec_buf,
+            token_ids,
+            self._ring_off,
+            self._ring_mask,
             kvl.OFF_HEAD,
+            kvl.REC_FIRST if first else 0,
         )
         self._versions[slot] = version
         self._hashes[slot] = block_hash
         self._live[slot] = self.epoch + 1
-        return self.head
+        return head
 
     def removed(self, slot: int, block_hash: int, *, group_idx: int = 0) -> int:
         """Block ``slot`` no longer caches ``block_hash`` (evicted); returns the record's
@@ -188,25 +168,15 @@ class KVEventsWriter(SegmentFile):
             return 0
         if not 0 <= slot < self.n_slots:
             raise IndexError(f"slot {slot} not in 0..{self.n_slots - 1}")
-        head = self.head + 1
-        kvl.RECORD.pack_into(
-            self._rec_buf,
-            0,
-            head,
-            kvl.KIND_REMOVED,
-            0,
-            group_idx,
+        self.head = self._removed_c(
+            mm,
+            self._table_off + slot * self._stride,
             slot,
             self._versions[slot],
             block_hash & MASK64,
-        )
-        self.head = self._commit(
-            mm,
-            self._table_off + slot * self._stride,
-            _NO_RECORD,
-            kvl.FLAG_CACHED,
-            self._ring_off + ((head - 1) & self._ring_mask) * kvl.RECORD_SIZE,
-            self._rec_buf,
+            group_idx,
+            self._ring_off,
+            self._ring_mask,
             kvl.OFF_HEAD,
         )
         self._live[slot] = 0
