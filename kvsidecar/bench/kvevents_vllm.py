@@ -170,7 +170,7 @@ class Server:
             }
             extra += ("--kv-events-config", json.dumps(config))
         if mode == "kvsidecar":
-            env["KVSIDECAR_KV_EVENTS"] = "1"
+            env[settings.KV_EVENTS.name] = "1"
         self.pub, self.replay = (v_pub, v_replay) if mode == "publisher" else (s_pub, s_replay)
         self.daemon, _ = fleet.start_daemon(
             shm,

@@ -135,7 +135,7 @@ def test_sidecar_stream_equals_sglangs_own_publisher_and_its_consumers_hold_sgla
         live.join()
 
         for round_ in range(4):
-            run_pumping(live, sb.generate, port, prompts(round_, 8), 8)
+            run_pumping([live], sb.generate, port, prompts(round_, 8), 8)
             if round_ == 0:  # idle now: SGLang's flush resets the radix cache
                 ss.post(port, "/flush_cache", {})
 

@@ -7,7 +7,9 @@ full state), asks for a replay from last + 1 on a gap in the sequence, and for o
 when the sequence goes back (a restarted publisher).
 
 ``sabotage`` breaks it on purpose, so a test can show that its check catches a consumer
-that loses an event: "drop_event" (the first BlockStored after `arm()` is lost),
+that loses an event: "drop_event" (after `arm()`, each BlockStored is applied only when
+the next one arrives, so the latest is lost: the one whose blocks a settled engine most
+surely still holds, where losing an earlier one goes unseen once its blocks are evicted),
 "miss_removal" (every BlockRemoved after `arm()` is ignored), "ignore_clear"
 (AllBlocksCleared is ignored) and "ignore_restart" (no replay when the sequence goes back).
 """
@@ -39,6 +41,7 @@ class Consumer:
         self.sabotage = sabotage
         self.armed = False
         self.held: set[int] = set()
+        self.withheld: list[int] = []  # drop_event: the latest BlockStored's hashes
         self.last: int | None = None
         self.counts = {"BlockStored": 0, "BlockRemoved": 0, "AllBlocksCleared": 0}
         self.replays = 0
@@ -95,7 +98,8 @@ class Consumer:
             self.counts[kind] += 1
             if kind == "BlockStored":
                 if self.armed and self.sabotage == "drop_event":
-                    self.armed = False
+                    self.held.update(self.withheld)
+                    self.withheld = list(e.block_hashes)
                     continue
                 self.held.update(e.block_hashes)
             elif kind == "BlockRemoved":
@@ -104,6 +108,7 @@ class Consumer:
                 self.held.difference_update(e.block_hashes)
             elif self.sabotage != "ignore_clear":
                 self.held.clear()
+                self.withheld = []
 
     def close(self) -> None:
         self.sub.close()
