@@ -60,29 +60,23 @@ DEMO_CONDITIONS = (
 )
 
 
-class EngineProc:
-    """The demo engine process (`kvsidecar.agent.bench.cost_engine`), driven over stdin."""
+class LineDriven:
+    """A bench engine process driven over stdin: one command a line, one JSON line back."""
 
-    def __init__(self, shm_dir: str, exporter: bool, device: str = "cpu") -> None:
-        cmd = [sys.executable, "-m", "kvsidecar.agent.bench.cost_engine", shm_dir]
-        cmd += ["--device", device]
-        self.proc = subprocess.Popen(
-            cmd + (["--exporter"] if exporter else []),
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
+    def __init__(self, cmd: list[str], what: str) -> None:
+        self.what = what
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
         self.hello = self._reply()
         self.pid = self.proc.pid
 
     def _reply(self) -> dict[str, Any]:
         line = self.proc.stdout.readline()  # type: ignore[union-attr]
         if not line:
-            raise RuntimeError(f"cost engine exited (code {self.proc.wait()})")
+            raise RuntimeError(f"{self.what} exited (code {self.proc.wait()})")
         return json.loads(line)
 
-    def run(self, cond: str, steps: int, hz: float = 20.0) -> dict[str, Any]:
-        self.proc.stdin.write(f"{cond} {steps} {hz:g}\n")  # type: ignore[union-attr]
+    def ask(self, command: str) -> dict[str, Any]:
+        self.proc.stdin.write(command + "\n")  # type: ignore[union-attr]
         self.proc.stdin.flush()  # type: ignore[union-attr]
         return self._reply()
 
@@ -94,6 +88,18 @@ class EngineProc:
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
+
+
+class EngineProc(LineDriven):
+    """The demo engine process (`kvsidecar.agent.bench.cost_engine`), driven over stdin."""
+
+    def __init__(self, shm_dir: str, exporter: bool, device: str = "cpu") -> None:
+        cmd = [sys.executable, "-m", "kvsidecar.agent.bench.cost_engine", shm_dir]
+        cmd += ["--device", device]
+        super().__init__(cmd + (["--exporter"] if exporter else []), "cost engine")
+
+    def run(self, cond: str, steps: int, hz: float = 20.0) -> dict[str, Any]:
+        return self.ask(f"{cond} {steps} {hz:g}")
 
 
 def bench_demo(rounds: int, steps: int, device: str = "cpu") -> dict[str, Any]:

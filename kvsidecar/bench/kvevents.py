@@ -29,7 +29,6 @@ the same bytes.
 
 from __future__ import annotations
 
-import json
 import os
 import random
 import re
@@ -47,6 +46,7 @@ import msgspec
 import zmq
 
 from kvsidecar.bench import stats
+from kvsidecar.bench.cost import LineDriven
 from kvsidecar.bench.fleet import free_port, start_daemon, stop_daemon
 from kvsidecar.protocol import kv_events_layout as kvl
 from kvsidecar.protocol.kv_events_reader import KVEventsReader
@@ -159,39 +159,15 @@ def segment_size(blocks: int, block_size: int = 16) -> int:
 # -- the engine, its subscribers -------------------------------------------------------
 
 
-class Engine:
+class Engine(LineDriven):
     """The engine process, driven over stdin (one JSON answer a command)."""
 
     def __init__(self, shm: str, pub_port: int, replay_port: int) -> None:
         cmd = [sys.executable, "-m", "kvsidecar.agent.bench.kvevents_engine", shm]
-        self.proc = subprocess.Popen(
-            [*cmd, str(pub_port), str(replay_port)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        self.hello = self._reply()
-        self.pid = self.proc.pid
-
-    def _reply(self) -> dict[str, Any]:
-        line = self.proc.stdout.readline()  # type: ignore[union-attr]
-        if not line:
-            raise RuntimeError(f"kvevents engine exited (code {self.proc.wait()})")
-        return json.loads(line)
+        super().__init__([*cmd, str(pub_port), str(replay_port)], "kvevents engine")
 
     def run(self, mode: str, steps: int, seed: int) -> dict[str, Any]:
-        self.proc.stdin.write(f"{mode} {steps} {seed}\n")  # type: ignore[union-attr]
-        self.proc.stdin.flush()  # type: ignore[union-attr]
-        return self._reply()
-
-    def close(self) -> None:
-        if self.proc.stdin:
-            self.proc.stdin.close()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        return self.ask(f"{mode} {steps} {seed}")
 
 
 def _changes(batch: KVEventBatch) -> int:

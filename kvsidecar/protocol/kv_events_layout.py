@@ -4,7 +4,8 @@ long form.
 A second file per rank, beside the snapshot segment: the engine's prefix cache as a
 table indexed by slot (the agent's block id: the true set of cached blocks) plus a ring
 of change records in order (stored / removed / cleared). The agent writes both with one
-C call per event (``_seqlock.kv_commit``): no encoding, no system call, no lock, no
+C call per event (``_seqlock.kv_stored`` / ``kv_removed``; ``kv_commit`` for a clear):
+no encoding, no system call, no lock, no
 allocation, never waiting on a reader. The daemon turns them into vLLM's wire.
 
 All integers little-endian. Offsets are from the start of the file.

@@ -249,13 +249,15 @@ def kinds(events: list[list]) -> dict[str, int]:
     return out
 
 
-def start_kv_daemon(shm, pub: int, replay_port: int, log) -> subprocess.Popen:
-    """``kvsidecar serve`` publishing the KV-event segments in ``shm`` on these ports."""
+def start_kv_daemon(shm, pub: int, replay_port: int, log, *extra: str) -> subprocess.Popen:
+    """``kvsidecar serve`` publishing the KV-event segments in ``shm`` on these ports
+    (``extra``: more flags)."""
     daemon, _url = fleet.start_daemon(
         str(shm),
         "--kv-events.endpoint", f"tcp://127.0.0.1:{pub}",
         "--kv-events.replay-endpoint", f"tcp://127.0.0.1:{replay_port}",
         "--kv-events.topic", "kv@sidecar@tiny",
+        *extra,
         wait_for_source=False,
         timeout=60,
         stderr=open(log, "wb"),
@@ -380,19 +382,7 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
         extra=("--max-model-len", "512", "--kv-events-config", json.dumps(kv_config)),
     )
 
-    def sidecar(log: Path, *extra: str) -> subprocess.Popen:
-        return fleet.start_daemon(
-            str(shm),
-            "--kv-events.endpoint", f"tcp://127.0.0.1:{s_pub}",
-            "--kv-events.replay-endpoint", f"tcp://127.0.0.1:{s_replay}",
-            "--kv-events.topic", "kv@sidecar@tiny",
-            *extra,
-            wait_for_source=False,
-            timeout=60,
-            stderr=open(log, "wb"),
-        )[0]  # fmt: skip
-
-    daemon = sidecar(tmp_path / "daemon.log")
+    daemon = start_kv_daemon(shm, s_pub, s_replay, tmp_path / "daemon.log")
     server = None
     checks: Checks | None = None
     t0 = time.monotonic()
@@ -490,7 +480,10 @@ def test_sidecar_stream_equals_vllms_own_publisher_and_its_consumers_hold_vllms_
         daemon.kill()
         daemon.wait()
         log2 = tmp_path / "daemon2.log"
-        daemon = sidecar(log2, "--kv-events.buffer-steps", str(BUFFER_STEPS), "--log-level", "info")
+        daemon = start_kv_daemon(
+            shm, s_pub, s_replay, log2, "--kv-events.buffer-steps", str(BUFFER_STEPS),
+            "--log-level", "info",
+        )  # fmt: skip
         load.pump_until_done(checks.all)
         checks.check("daemon SIGKILLed and restarted mid-load", engine_set(server, port, dump))
 
