@@ -37,7 +37,7 @@ class _Heads:
         self.waiting = _head(names.waiting, labels)
         self.running = _head(names.running, labels)
         self.usage = _head(names.usage, labels)
-        self.info: dict[tuple[int, int], str] = {}  # (block size, count): the whole family
+        self.info: dict[tuple[str, str], str] = {}  # (block size, count): the whole family
 
 
 def _head(name: str, labels: str) -> str:
@@ -58,7 +58,10 @@ class Templates:
 
     def render(self, snapshot: Snapshot, now_mono_ns: int) -> bytes:
         rt = snapshot.runtime
-        key = _IDENTITY(rt)
+        ident = _IDENTITY(rt)
+        # Values that compare equal may print differently (1 == 1.0 == True): the types
+        # are part of the key, or one's kept text would be served for the other.
+        key = (ident, tuple(map(type, ident)))
         heads = self._heads.get(key)
         if heads is None:
             if len(self._heads) >= _KEPT:
@@ -76,7 +79,9 @@ class Templates:
         if usage is not None:
             out += (heads.usage, gb._number(usage), "\n")
         if sized and sized[0].block_size_tokens:
-            sizes = (sized[0].block_size_tokens, gb._num_blocks(sized, names))
+            # Kept by their printed text, not their value: 120000 == 120000.0 but the
+            # label reads differently (and -0.0 == 0.0).
+            sizes = (str(sized[0].block_size_tokens), str(gb._num_blocks(sized, names)))
             info = heads.info.get(sizes)
             if info is None:
                 if len(heads.info) >= _KEPT:
@@ -91,11 +96,11 @@ class Templates:
         return "".join(out).encode()
 
 
-def _info(snapshot: Snapshot, names: gb.EngineNames, sizes: tuple[int, int]) -> str:
+def _info(snapshot: Snapshot, names: gb.EngineNames, sizes: tuple[str, str]) -> str:
     labels = [
         *names.info_labels(snapshot.runtime),
-        (names.block_size_label, str(sizes[0])),
-        (names.num_blocks_label, str(sizes[1])),
+        (names.block_size_label, sizes[0]),
+        (names.num_blocks_label, sizes[1]),
     ]
     lines: list[str] = []
     gb._family(lines, names.cache_info, gb._labels_text(sorted(labels)), 1.0)

@@ -165,3 +165,38 @@ def test_the_kept_text_body_equals_gateway_body_render(
             _TEMPLATES.render(snapshot, now)
         return
     assert _TEMPLATES.render(snapshot, now) == want
+
+
+@pytest.mark.parametrize(
+    ("first", "then"),
+    [
+        ({"total_blocks": 120000.0}, {"total_blocks": 120000}),  # the count label's text
+        ({"block_size_tokens": 16.0}, {"block_size_tokens": 16}),
+        ({"block_size_tokens": True}, {"block_size_tokens": 1}),
+    ],
+)
+def test_kept_text_is_never_served_for_an_equal_value_that_prints_differently(
+    first: dict, then: dict
+) -> None:
+    """CI of 2298cff: a float count kept 120000.0's label text, then served it for 120000
+    (equal as dict keys). Each body must equal the reference whatever came before."""
+    templates = Templates()
+    base = realistic_snapshot(1)
+    for changes in (first, then):
+        snap = Snapshot(
+            runtime=base.runtime, pools=[msgspec.structs.replace(base.pools[0], **changes)]
+        )
+        assert templates.render(snap, 0) == gb.render(snap, 0)
+
+
+@pytest.mark.parametrize(
+    ("first", "then"), [({"dp_rank": True}, {"dp_rank": 1}), ({"tp_rank": 0.0}, {"tp_rank": 0})]
+)
+def test_kept_identity_is_never_served_for_an_equal_value_that_prints_differently(
+    first: dict, then: dict
+) -> None:
+    templates = Templates()
+    base = realistic_snapshot(1)
+    for changes in (first, then):
+        snap = Snapshot(runtime=msgspec.structs.replace(base.runtime, **changes), pools=base.pools)
+        assert templates.render(snap, 0) == gb.render(snap, 0)
