@@ -171,16 +171,20 @@ class Gateway:
         """(status, body, content type, extra headers) for one poll of `dp_rank`; counted
         by outcome, and a change of outcome logged once."""
         checked = self._checked.get(dp_rank)
+        moved: _Checked | None = None  # a window whose writer moved its word: probed already
         if (
             checked is not None
             and checked.version == self.targets.version
             and time.monotonic() < checked.until
-            and self._published_seq(checked.mm) == checked.seq
         ):
-            self._count(dp_rank, OK)
-            return checked.answer  # the same tuple: the server re-sends its bytes
+            seq = self._published_seq(checked.mm)
+            if seq == checked.seq:
+                self._count(dp_rank, OK)
+                return checked.answer  # the same tuple: the server re-sends its bytes
+            if seq is not None:
+                moved = checked
         self._keep(dp_rank, None)
-        outcome, answer = self._answer(dp_rank)
+        outcome, answer = self._answer(dp_rank, moved)
         self._count(dp_rank, outcome)
         last = self.last_outcome.get(dp_rank)
         if last is None or last[0] != outcome:
@@ -223,7 +227,12 @@ class Gateway:
         except (ValueError, OSError):  # unmapped (re-attached) or its pages gone: re-check
             return None
 
-    def _answer(self, dp_rank: int) -> tuple[str, Answer]:
+    def _answer(self, dp_rank: int, moved: _Checked | None = None) -> tuple[str, Answer]:
+        """The full check. With `moved` (the rank's check of this window, whose segment's
+        word has moved since: a writer publishing), the target's liveness and identity
+        probes are skipped while it still holds that map (`Target.poll`'s `trusted`), and
+        the answer is re-served only until that check's own end: the probes run again at
+        least every `FULL_CHECK_EVERY`, however often the word moves."""
         self.full_checks += 1
         version = self.targets.version
         candidates = self._candidates(dp_rank)
@@ -243,7 +252,7 @@ class Gateway:
         target = candidates[0]
         self.segment_reads += 1
         mm = target.reader.mm
-        view = target.poll(log_transitions=True)
+        view = target.poll(log_transitions=True, trusted=moved.mm if moved else None)
         if view.up and view.last is not None:
             last = view.last
             # Progress on the daemon's clock, as the poll that just ran judged it.
@@ -262,6 +271,8 @@ class Gateway:
             if timeless_body and mm is not None:
                 # Never past the moment the check's own progress bound would answer 503.
                 until = time.monotonic() + min(FULL_CHECK_EVERY, self.stale_after - still)
+                if moved is not None and moved.mm is mm:
+                    until = min(until, moved.until)  # the probes' window, never extended
                 self._keep(dp_rank, _Checked(version, mm, last.seq, until, answer))
             return OK, answer
         why = f"{view.name}: {view.state}: {view.error or 'not up'}\n"

@@ -267,14 +267,17 @@ class SegmentReader(MappedFile):
 
     # -- read -------------------------------------------------------------------
 
-    def read(self) -> Reading | ReadError:
-        """Copy and decode the last completed snapshot (no liveness check)."""
+    def read(self, size_check: bool = True) -> Reading | ReadError:
+        """Copy and decode the last completed snapshot (no liveness check). Without
+        `size_check` the file is not fstat'ed first: a truncation then reads as the
+        guarded copy's SIGBUS (the same error), one system call fewer."""
         mm = self.mm
         if mm is None:
             return NotReady(f"segment {self.name} is not attached")
         try:
             # The C side fstats self.fd first (truncated: TRUNCATED), then copies.
-            status, seq, raw, payload, attempts = _seqlock.read_latest(mm, self.retries, self.fd)
+            fd = self.fd if size_check else -1
+            status, seq, raw, payload, attempts = _seqlock.read_latest(mm, self.retries, fd)
         except OSError as e:
             return Gone(f"segment {self.name}: {e.strerror}")
         if status != _seqlock.OK:
