@@ -11,10 +11,14 @@ Fresh: the value served is the engine's latest published step when the request a
 never a cached poll cycle. A poll whose rank was fully checked less than `FULL_CHECK_EVERY`
 ago (0.1 s) within the same poll cycle loads one word, the segment's published sequence:
 unchanged, the answer built at that check is served again as it was (its bytes included,
-see `kvsidecar.web.poll_server`); changed, or older, the poll reads that rank's segment
-under the target's own lock with every check the poller makes (trust, budgets, identity,
-liveness, progress). A writer's death, a replaced segment or a hung engine is so seen
-within 0.1 s of the check's window, a new step at once. The poller's other targets and its
+see `kvsidecar.web.poll_server`); older, the poll reads that rank's segment under the
+target's own lock with every check the poller makes (trust, budgets, identity, liveness,
+progress); changed within the window (a writer publishing) and less than
+`FULL_CHECK_EVERY` after the rank's last probed check, the same read and checks of the new
+snapshot without the probes of the writer and the file (the path's stat, the size fstat,
+the liveness lock probe: `Target.poll`'s ``trusted``). A writer's death or a hung engine is
+so seen within 0.1 s of its last step, a segment replaced under a writer still publishing
+within 0.1 s of the last probe, a new step at once. The poller's other targets and its
 directory scans are never waited for (the TargetSet lock is not taken).
 
 A poll's cost is bounded whatever the directory holds: which segments claim a rank, and
@@ -91,13 +95,16 @@ Answer = tuple[int, bytes, str, bytes]
 @dataclass(frozen=True)
 class _Checked:
     """A rank's last full check that answered 200: re-served while the segment's
-    published sequence is still `seq`, within the poll cycle `version`, until `until`."""
+    published sequence is still `seq`, within the poll cycle `version`, until `until`;
+    a moved sequence is checked without the probes until `probed_until` (the end of the
+    window of the last check that probed the writer and the file)."""
 
     version: int
     mm: mmap.mmap
     seq: int
     until: float
     answer: Answer
+    probed_until: float
 
 
 class Gateway:
@@ -181,7 +188,7 @@ class Gateway:
             if seq == checked.seq:
                 self._count(dp_rank, OK)
                 return checked.answer  # the same tuple: the server re-sends its bytes
-            if seq is not None:
+            if seq is not None and time.monotonic() < checked.probed_until:
                 moved = checked
         self._keep(dp_rank, None)
         outcome, answer = self._answer(dp_rank, moved)
@@ -229,10 +236,12 @@ class Gateway:
 
     def _answer(self, dp_rank: int, moved: _Checked | None = None) -> tuple[str, Answer]:
         """The full check. With `moved` (the rank's check of this window, whose segment's
-        word has moved since: a writer publishing), the target's liveness and identity
-        probes are skipped while it still holds that map (`Target.poll`'s `trusted`), and
-        the answer is re-served only until that check's own end: the probes run again at
-        least every `FULL_CHECK_EVERY`, however often the word moves."""
+        word has moved since: a writer publishing), the probes of the writer and the file
+        are skipped while the target still holds that map (`Target.poll`'s `trusted`),
+        and the probed check's window is kept (`probed_until`, never extended): the
+        probes run again at least every `FULL_CHECK_EVERY`, however often the word moves.
+        The re-serve window (`until`) starts at each check, probed or not, as a step
+        is seen: a writer gone after its last step is seen when it ends, as before."""
         self.full_checks += 1
         version = self.targets.version
         candidates = self._candidates(dp_rank)
@@ -270,10 +279,12 @@ class Gateway:
             mm = target.reader.mm if target.reader.mm is mm else None
             if timeless_body and mm is not None:
                 # Never past the moment the check's own progress bound would answer 503.
-                until = time.monotonic() + min(FULL_CHECK_EVERY, self.stale_after - still)
+                now = time.monotonic()
+                until = now + min(FULL_CHECK_EVERY, self.stale_after - still)
+                probed = now + FULL_CHECK_EVERY
                 if moved is not None and moved.mm is mm:
-                    until = min(until, moved.until)  # the probes' window, never extended
-                self._keep(dp_rank, _Checked(version, mm, last.seq, until, answer))
+                    probed = min(probed, moved.probed_until)  # never extended
+                self._keep(dp_rank, _Checked(version, mm, last.seq, until, answer, probed))
             return OK, answer
         why = f"{view.name}: {view.state}: {view.error or 'not up'}\n"
         return "not_up", (503, why.encode(), _TEXT, b"")
