@@ -7,8 +7,9 @@ snapshot (4 pools) N times a second, and a picker process polls at HZ over 20 ke
 connections (`gateway._PICKER`, which also counts freshness: the served step against the
 step the segment held just before the request). Counted: the poll server thread's own CPU
 (its CPU-time clock, `time.pthread_getcpuclockid`, in nanoseconds; the kernel's share from
-/proc/self/task/TID/stat, in 10 ms ticks: the listener's work, not the background poller's)
-per poll answered, and the share of polls that were fresh. Candidates, each in turn, same writer:
+/proc/self/task/TID/stat, in 10 ms ticks: the listener's work, not the background
+poller's) per poll answered, and the share of polls that were fresh. Candidates, each in
+turn, same writer:
 
 * ``full``: every poll a full check (the target's poll: trust, budgets, identity,
   liveness, progress) and the body cached per (incarnation, seq), as main did;

@@ -222,9 +222,11 @@ class Target:
         published sequence has moved since (the gateway's window, gateway.py). While the
         reader still holds that map and its state byte says READY, the probes of a
         moving writer are skipped: the path's ``stat`` (replaced?), the size ``fstat``
-        and the liveness lock probe (``fcntl``). Every check of the snapshot itself runs;
-        the caller probes again at the window's end, so a replaced segment or a writer
-        gone is seen as late as without the shortcut (tests/daemon/test_gateway_moving.py)."""
+        and the liveness lock probe (``fcntl``). Every check of the snapshot itself runs,
+        and the view left (the one the collector reads) is up on the moving word. The
+        caller probes again at its window's end: a writer gone is seen as without the
+        shortcut, a segment replaced under a writer still publishing within that window
+        (tests/daemon/test_gateway_moving.py)."""
         with self.lock:
             if self.forgotten:
                 return replace(
