@@ -158,13 +158,18 @@ def test_a_file_being_set_up_by_another_run_stays():
     path = SHM / f"psm_kvsidecar_test_late_{os.getpid()}"
     path.write_bytes(b"\0" * 4096)
     other = {k: v for k, v in os.environ.items() if k != RUN_TOKEN}
+    # The holder says when it is up, then maps 0.3 s later: the sweep's first look falls
+    # before the map, its second (RECHECK_S later) after it. Timed from the holder's start,
+    # not from Popen, since an interpreter's start on a loaded host can take longer than
+    # RECHECK_S (CI with helpers beside it: the second look came before the map).
     holder = subprocess.Popen(
-        [sys.executable, "-c", f"import mmap, os, time; time.sleep(0.3); "
-         f"fd = os.open({str(path)!r}, os.O_RDWR); m = mmap.mmap(fd, 4096); "
-         "os.close(fd); time.sleep(60)"],
-        env=other,
+        [sys.executable, "-c", f"import mmap, os, time; print('up', flush=True); "
+         f"time.sleep(0.3); fd = os.open({str(path)!r}, os.O_RDWR); "
+         "m = mmap.mmap(fd, 4096); os.close(fd); time.sleep(60)"],
+        env=other, stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     try:
+        assert holder.stdout is not None and holder.stdout.readline() == "up\n"
         with warnings.catch_warnings():
             warnings.simplefilter("error", ShmLeftoverWarning)
             removed = remove_leftovers(before, "another run's engine starting")
