@@ -311,11 +311,24 @@ class _Front:
         return min(caps) if caps else 0
 
     def _victim(self, host: str) -> _Conn | None:
-        """Who makes room for a newcomer from ``host``. An address holding more than the
-        newcomer's would after admission gives one up (stalled on its reader first, then
-        idle, then its oldest). Otherwise the newcomer's own address pays (stalled, then
-        idle; if none, the newcomer is refused), and a newcomer from a new address when
-        every address holds one takes anyone's stalled or idle connection, oldest first."""
+        """Who makes room for a newcomer from ``host`` (`_victim_by_tier`), unless that is a
+        connection of an address with a lower wrong-password score (`failures.Failures`)
+        than the newcomer's: then the newcomer is refused (a 503 with Retry-After, its head
+        unread). A flood of wrong passwords, which raises its addresses' scores, cannot
+        close a login from an address that sent none (or one a while ago) to make room for
+        itself, however fast it reconnects; the login, arriving, closes the flood's."""
+        victim = self._victim_by_tier(host)
+        if victim is None or victim.host == host:
+            return victim
+        return None if self._badness(host) > self._badness(victim.host) else victim
+
+    def _victim_by_tier(self, host: str) -> _Conn | None:
+        """An address holding more than the newcomer's would after admission gives one up
+        (stalled on its reader first, then idle, then its oldest). Otherwise the newcomer's
+        own address pays (stalled, then idle; if none, the newcomer is refused), and a
+        newcomer from a new address when every address holds one takes anyone's stalled
+        or idle connection, oldest first (waiting for a bcrypt turn: the address with the
+        highest wrong-password score, then sending the most checks, first)."""
         heaviest = max(self.by_host, key=lambda h: len(self.by_host[h]))
         mine = len(self.by_host.get(host, ()))
         if len(self.by_host[heaviest]) > mine + 1:
@@ -331,9 +344,15 @@ class _Front:
             or self.checking
             or self.fresh
         )
-        if idle is self.checking:  # refused 429 (`_Conn.owed`): the busiest address first
-            return max(self.checking, key=lambda c: self.auth_attempts.score(c.host))
+        if idle is self.checking:  # refused 429 (`_Conn.owed`): the worst address first
+            return max(self.checking, key=lambda c: self._badness(c.host))
         return next(iter(idle)) if idle else None
+
+    def _badness(self, host: str) -> float:
+        """What ``host`` asked of bcrypt lately: its bcrypt-bound requests plus its wrong
+        passwords (each decaying, `failures.HALF_LIFE_S`). Both count: a flood in a small
+        front is refused before its checks run, so it has requests but no failures."""
+        return self.failures.score(host) + self.auth_attempts.score(host)
 
     @staticmethod
     def _settled(tier: OrderedDict[_Conn, None]) -> OrderedDict[_Conn, None] | None:
