@@ -614,10 +614,11 @@ def fdlimit_cmd(quick: bool, out: str, same_address: bool, probes: int) -> None:
     report.print_table(
         f"fdlimit: prlimit --nofile={r['fd_limit']}:{r['fd_limit']}, {r['segments']} segments, "
         f"{r['idle_connections']} idle connections from {where}",
-        ["segments up", "probes", "answered", "probe ms (p99 if > 8)", "new engine served",
-         "daemon fds"],
+        ["segments up", "probes", "answered", "probe ms (p99 if > 8)", "accept queue",
+         "closed/s", "load", "new engine served", "daemon fds"],
         [[r["segments_served_before_attack"], r["probes"], r["probes_answered"],
-          " ".join(f"{t:.0f}" for t in ms),
+          " ".join(f"{t:.0f}" for t in ms), f"{r['accept_queue_median']:.0f}",
+          f"{r['closed_per_s']:.0f}", f"{r['load_average']:.1f}",
           f"yes, {r['new_engine_served_after_s']:.1f} s" if r["new_engine_served"] else "NO",
           r["daemon_fds"]]],
     )  # fmt: skip

@@ -53,7 +53,7 @@ from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
 from kvsidecar.web.failures import Failures, Scores
 from kvsidecar.web.fair import CLEAN, NEWEST_FIRST, FairGate, Refused
-from kvsidecar.web.gate import FRESH_GRACE_S, PARKED_MEMORY, Gate
+from kvsidecar.web.gate import DEFER_ACCEPT_S, FRESH_GRACE_S, PARKED_MEMORY, Gate
 from kvsidecar.web.listen_address import parse_listen_address
 from kvsidecar.web.live_config import LiveConfig, LiveState
 from kvsidecar.web.log_throttle import Throttled
@@ -820,6 +820,7 @@ class _Front:
                 front_room=self._front_room,
                 head_timeout_s=web.request_timeout_s,
                 parked_memory=web.parked_memory,
+                defer_accept_s=web.defer_accept_s,
             )
             self.gate.start()
         finally:
@@ -880,7 +881,9 @@ class WebServer:
     ``connection_memory`` bounds what open connections may cost together (0 = no bound):
     it caps them at ``connection_memory // TLS_CONNECTION_BYTES`` with TLS on, and
     `PLAIN_CONNECTION_BYTES` each without. ``parked_memory`` bounds the gate's parked
-    connections (`kvsidecar.web.gate.PARKED_BYTES` each).
+    connections (`kvsidecar.web.gate.PARKED_BYTES` each). ``defer_accept_s``: the kernel
+    holds a connection until its first bytes, or about this long (`gate._defer_accept`;
+    0: accepted at once).
     ``request_timeout_s`` bounds a TLS handshake, a whole request head (and the idle time
     before it) and the writing of an answer. ``reserved_fds`` are descriptors the rest of
     the process may open later (the daemon's segments): the cap leaves room for them,
@@ -904,6 +907,7 @@ class WebServer:
         connection_memory: int = CONNECTION_MEMORY,
         parked_memory: int = PARKED_MEMORY,
         listen_sockets: Sequence[socket.socket] = (),
+        defer_accept_s: int = DEFER_ACCEPT_S,
     ) -> None:
         # listen_sockets: already listening (systemd's, web/systemd_socket.py), served
         # instead of binding listen_addresses.
@@ -929,6 +933,7 @@ class WebServer:
         self.reserved_fds = reserved_fds
         self.connection_memory = connection_memory
         self.parked_memory = parked_memory
+        self.defer_accept_s = defer_accept_s
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
         self._live = LiveConfig(web_config, config_check_interval_s)

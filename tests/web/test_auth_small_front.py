@@ -23,7 +23,7 @@ from kvsidecar.web.config_file import parse_web_config
 from kvsidecar.web.failures import RECENT_S
 from kvsidecar.web.server import WebServer
 
-from .hostile import port_of
+from .hostile import metrics_server, port_of
 
 CHECK_S = 0.05  # each check: asleep in the bcrypt thread, a stand-in for bcrypt
 THREADS = 48
@@ -39,16 +39,8 @@ def small_front(monkeypatch: pytest.MonkeyPatch) -> Iterator[WebServer]:
 
     monkeypatch.setattr(BasicAuth, "verify", check)
     cfg = parse_web_config("basic_auth_users:\n  scraper: '$2b$04$" + "a" * 53 + "'\n")
-    web = WebServer(
-        {"/metrics": lambda request: (b"up 1\n", "text/plain; version=0.0.4")},
-        ["0.0.0.0:0"],
-        web_config=cfg,
-        max_connections=12,
-        request_timeout_s=30.0,
-    )
-    web.start()
-    yield web
-    web.shutdown()
+    with metrics_server(web_config=cfg, max_connections=12) as web:
+        yield web
 
 
 def _ask(port: int, source: str, password: str) -> bytes:
