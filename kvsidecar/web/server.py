@@ -312,15 +312,21 @@ class _Front:
 
     def _victim(self, host: str) -> _Conn | None:
         """Who makes room for a newcomer from ``host`` (`_victim_by_tier`), unless that is a
-        connection of an address with a lower wrong-password score (`failures.Failures`)
-        than the newcomer's: then the newcomer is refused (a 503 with Retry-After, its head
-        unread). A flood of wrong passwords, which raises its addresses' scores, cannot
-        close a login from an address that sent none (or one a while ago) to make room for
-        itself, however fast it reconnects; the login, arriving, closes the flood's."""
+        request still owed its answer from an address with a lower bcrypt score
+        (`_badness`) than the newcomer's: then the newcomer is refused (a 503 with
+        Retry-After, its head unread). A flood of wrong passwords, which raises its
+        addresses' scores, cannot close a login from an address that sent none (or one a
+        while ago) to make room for itself, however fast it reconnects; the login,
+        arriving, closes the flood's."""
         victim = self._victim_by_tier(host)
-        if victim is None or victim.host == host:
+        if victim is None or victim.host == host or not self._owed_an_answer(victim):
             return victim
         return None if self._badness(host) > self._badness(victim.host) else victim
+
+    def _owed_an_answer(self, conn: _Conn) -> bool:
+        """Its request is waiting (a bcrypt turn, a render slot) or not yet read: closing
+        it costs its client an answer, where an idle or stalled one loses nothing."""
+        return conn in self.checking or conn in self.queued or conn in self.fresh
 
     def _victim_by_tier(self, host: str) -> _Conn | None:
         """An address holding more than the newcomer's would after admission gives one up
@@ -482,6 +488,10 @@ class _Front:
                 writer.transport.abort()
             return
         writer.transport.set_write_buffer_limits(high=WRITE_CHUNK)
+        if self.gate is not None and not self.gate.tls:
+            # A whole head came from the gate: if closed before it is read, it is refused
+            # with a status, not dropped (cleared once the head is read).
+            conn.owed = _refusal(503, _FRONT_FULL, {"Retry-After": "1"})
         try:
             state = self.web._live.current()
             if state.ssl_context is not None and not await self._handshake(conn, state):
@@ -593,6 +603,7 @@ class _Front:
             await self._error(conn, e)
             return False
         self.fresh.pop(conn, None)
+        conn.owed = None
         conn.progressed = True
         self._set_waiting(conn, False)
         t0 = time.monotonic()
@@ -604,6 +615,7 @@ class _Front:
         return request.keep_alive
 
     async def _error(self, conn: _Conn, error: BadRequest) -> None:
+        conn.owed = None  # told this instead
         self._set_waiting(conn, False)
         self.log_bad("http: %d from %s: %s", error.status, conn.peer, error.reason)
         self.web.stats.observe(OTHER, error.status, 0.0)
