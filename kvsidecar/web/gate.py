@@ -725,7 +725,7 @@ def _defer_accept(listener: socket.socket, seconds: int) -> None:
     no descriptor and no work of ours, and come to accept only after about ``seconds`` (a
     SYN-ACK retransmitted, answered); closed, they come back at most that often. Without
     it, 1,000 silent connections from a probe's own address, reconnecting as fast as the
-    gate closed them, had it accept and close 23,000 a second (a core), the probe queued
+    gate closed them, had it accept and close 8,000-23,000 a second, the probe queued
     among them."""
     if seconds and listener.family in (socket.AF_INET, socket.AF_INET6):
         with contextlib.suppress(OSError):

@@ -7,7 +7,7 @@ eviction case is tried with the client that matters on the attacker's address an
 another. In-process `WebServer`s; counted, not timed.
 
 Then (G2's p99): 1,000 such clients under a limit of 1,024 files had the gate accept and
-close 23,000 connections a second (a core), a probe from their address queued in the
+close 8,000-23,000 connections a second, a probe from their address queued in the
 accept queue among them (p99 82-468 ms). The listener now has the kernel hold a connection
 until its first bytes (`gate.DEFER_ACCEPT_S`): a silent one reaches the gate only after
 about that long, so each is closed at most about once per period, and a probe, which
