@@ -485,11 +485,16 @@ def authflood_cmd(quick: bool, out: str, threads: int, distinct: bool, fresh: bo
     "--addresses", default="1,64", show_default=True,
     help="Flooding addresses, comma-separated: one fresh daemon each.",
 )  # fmt: skip
-def authclasses_cmd(quick: bool, out: str, addresses: str) -> None:
+@click.option(
+    "--front", type=int, default=0, show_default=True,
+    help="Connections the front serves at once (0: the default budget's); 12: a small front.",
+)  # fmt: skip
+def authclasses_cmd(quick: bool, out: str, addresses: str, front: int) -> None:
     """G3 per client: never checked, known, once wrong, beside a flood from N addresses (#43)."""
     classes = checkout.load("login_classes")
 
-    r = classes.run_authclasses(quick=quick, addresses=tuple(int(n) for n in addresses.split(",")))
+    floods = tuple(int(n) for n in addresses.split(","))
+    r = classes.run_authclasses(quick=quick, addresses=floods, front=front)
     rows = []
     for n, flood in r["floods"].items():
         for c, s in flood.items():
@@ -499,13 +504,14 @@ def authclasses_cmd(quick: bool, out: str, addresses: str) -> None:
                          "yes" if met else "NO"])  # fmt: skip
     report.print_table(
         f"authclasses: {r['threads']} threads of distinct wrong passwords, a new connection "
-        f"each, bcrypt cost 10; daemon from {r['daemon_from']}; goal: 200 within "
+        f"each, bcrypt cost 10; front {r['front'] or 'default'}; daemon from "
+        f"{r['daemon_from']}; goal: 200 within "
         f"{r['goal_ms']:.0f} ms, none dropped",
         ["addresses", "client", "ok", "429/503", "dropped", "timed out", "median ms",
          "max ms", "met"],
         rows,
     )  # fmt: skip
-    report.write_json(out, "authclasses", r)
+    report.write_json(out, f"authclasses-front{front}" if front else "authclasses", r)
 
 
 @bench.command(name="frontmix")
@@ -608,10 +614,11 @@ def fdlimit_cmd(quick: bool, out: str, same_address: bool, probes: int) -> None:
     report.print_table(
         f"fdlimit: prlimit --nofile={r['fd_limit']}:{r['fd_limit']}, {r['segments']} segments, "
         f"{r['idle_connections']} idle connections from {where}",
-        ["segments up", "probes", "answered", "probe ms (p99 if > 8)", "new engine served",
-         "daemon fds"],
+        ["segments up", "probes", "answered", "probe ms (p99 if > 8)", "accept queue",
+         "closed/s", "load", "new engine served", "daemon fds"],
         [[r["segments_served_before_attack"], r["probes"], r["probes_answered"],
-          " ".join(f"{t:.0f}" for t in ms),
+          " ".join(f"{t:.0f}" for t in ms), f"{r['accept_queue_median']:.0f}",
+          f"{r['closed_per_s']:.0f}", f"{r['load_average']:.1f}",
           f"yes, {r['new_engine_served_after_s']:.1f} s" if r["new_engine_served"] else "NO",
           r["daemon_fds"]]],
     )  # fmt: skip

@@ -53,7 +53,7 @@ from kvsidecar.web.compression import accepts_gzip, gzip_cached
 from kvsidecar.web.config import WebConfig
 from kvsidecar.web.failures import Failures, Scores
 from kvsidecar.web.fair import CLEAN, NEWEST_FIRST, FairGate, Refused
-from kvsidecar.web.gate import FRESH_GRACE_S, PARKED_MEMORY, Gate
+from kvsidecar.web.gate import DEFER_ACCEPT_S, FRESH_GRACE_S, PARKED_MEMORY, Gate
 from kvsidecar.web.listen_address import parse_listen_address
 from kvsidecar.web.live_config import LiveConfig, LiveState
 from kvsidecar.web.log_throttle import Throttled
@@ -311,11 +311,30 @@ class _Front:
         return min(caps) if caps else 0
 
     def _victim(self, host: str) -> _Conn | None:
-        """Who makes room for a newcomer from ``host``. An address holding more than the
-        newcomer's would after admission gives one up (stalled on its reader first, then
-        idle, then its oldest). Otherwise the newcomer's own address pays (stalled, then
-        idle; if none, the newcomer is refused), and a newcomer from a new address when
-        every address holds one takes anyone's stalled or idle connection, oldest first."""
+        """Who makes room for a newcomer from ``host`` (`_victim_by_tier`), unless that is a
+        request still owed its answer from an address with a lower bcrypt score
+        (`_badness`) than the newcomer's: then the newcomer is refused (a 503 with
+        Retry-After, its head unread). A flood of wrong passwords, which raises its
+        addresses' scores, cannot close a login from an address that sent none (or one a
+        while ago) to make room for itself, however fast it reconnects; the login,
+        arriving, closes the flood's."""
+        victim = self._victim_by_tier(host)
+        if victim is None or victim.host == host or not self._owed_an_answer(victim):
+            return victim
+        return None if self._badness(host) > self._badness(victim.host) else victim
+
+    def _owed_an_answer(self, conn: _Conn) -> bool:
+        """Its request is waiting (a bcrypt turn, a render slot) or not yet read: closing
+        it costs its client an answer, where an idle or stalled one loses nothing."""
+        return conn in self.checking or conn in self.queued or conn in self.fresh
+
+    def _victim_by_tier(self, host: str) -> _Conn | None:
+        """An address holding more than the newcomer's would after admission gives one up
+        (stalled on its reader first, then idle, then its oldest). Otherwise the newcomer's
+        own address pays (stalled, then idle; if none, the newcomer is refused), and a
+        newcomer from a new address when every address holds one takes anyone's stalled
+        or idle connection, oldest first (waiting for a bcrypt turn: the address with the
+        highest wrong-password score, then sending the most checks, first)."""
         heaviest = max(self.by_host, key=lambda h: len(self.by_host[h]))
         mine = len(self.by_host.get(host, ()))
         if len(self.by_host[heaviest]) > mine + 1:
@@ -331,9 +350,15 @@ class _Front:
             or self.checking
             or self.fresh
         )
-        if idle is self.checking:  # refused 429 (`_Conn.owed`): the busiest address first
-            return max(self.checking, key=lambda c: self.auth_attempts.score(c.host))
+        if idle is self.checking:  # refused 429 (`_Conn.owed`): the worst address first
+            return max(self.checking, key=lambda c: self._badness(c.host))
         return next(iter(idle)) if idle else None
+
+    def _badness(self, host: str) -> float:
+        """What ``host`` asked of bcrypt lately: its bcrypt-bound requests plus its wrong
+        passwords (each decaying, `failures.HALF_LIFE_S`). Both count: a flood in a small
+        front is refused before its checks run, so it has requests but no failures."""
+        return self.failures.score(host) + self.auth_attempts.score(host)
 
     @staticmethod
     def _settled(tier: OrderedDict[_Conn, None]) -> OrderedDict[_Conn, None] | None:
@@ -463,6 +488,10 @@ class _Front:
                 writer.transport.abort()
             return
         writer.transport.set_write_buffer_limits(high=WRITE_CHUNK)
+        if self.gate is not None and not self.gate.tls:
+            # A whole head came from the gate: if closed before it is read, it is refused
+            # with a status, not dropped (cleared once the head is read).
+            conn.owed = _refusal(503, _FRONT_FULL, {"Retry-After": "1"})
         try:
             state = self.web._live.current()
             if state.ssl_context is not None and not await self._handshake(conn, state):
@@ -574,6 +603,7 @@ class _Front:
             await self._error(conn, e)
             return False
         self.fresh.pop(conn, None)
+        conn.owed = None
         conn.progressed = True
         self._set_waiting(conn, False)
         t0 = time.monotonic()
@@ -585,6 +615,7 @@ class _Front:
         return request.keep_alive
 
     async def _error(self, conn: _Conn, error: BadRequest) -> None:
+        conn.owed = None  # told this instead
         self._set_waiting(conn, False)
         self.log_bad("http: %d from %s: %s", error.status, conn.peer, error.reason)
         self.web.stats.observe(OTHER, error.status, 0.0)
@@ -801,6 +832,7 @@ class _Front:
                 front_room=self._front_room,
                 head_timeout_s=web.request_timeout_s,
                 parked_memory=web.parked_memory,
+                defer_accept_s=web.defer_accept_s,
             )
             self.gate.start()
         finally:
@@ -861,7 +893,9 @@ class WebServer:
     ``connection_memory`` bounds what open connections may cost together (0 = no bound):
     it caps them at ``connection_memory // TLS_CONNECTION_BYTES`` with TLS on, and
     `PLAIN_CONNECTION_BYTES` each without. ``parked_memory`` bounds the gate's parked
-    connections (`kvsidecar.web.gate.PARKED_BYTES` each).
+    connections (`kvsidecar.web.gate.PARKED_BYTES` each). ``defer_accept_s``: the kernel
+    holds a connection until its first bytes, or about this long (`gate._defer_accept`;
+    0: accepted at once).
     ``request_timeout_s`` bounds a TLS handshake, a whole request head (and the idle time
     before it) and the writing of an answer. ``reserved_fds`` are descriptors the rest of
     the process may open later (the daemon's segments): the cap leaves room for them,
@@ -885,6 +919,7 @@ class WebServer:
         connection_memory: int = CONNECTION_MEMORY,
         parked_memory: int = PARKED_MEMORY,
         listen_sockets: Sequence[socket.socket] = (),
+        defer_accept_s: int = DEFER_ACCEPT_S,
     ) -> None:
         # listen_sockets: already listening (systemd's, web/systemd_socket.py), served
         # instead of binding listen_addresses.
@@ -910,6 +945,7 @@ class WebServer:
         self.reserved_fds = reserved_fds
         self.connection_memory = connection_memory
         self.parked_memory = parked_memory
+        self.defer_accept_s = defer_accept_s
         self.stats = stats if stats is not None else HTTPStats()
         self.realm = realm
         self._live = LiveConfig(web_config, config_check_interval_s)

@@ -63,10 +63,10 @@ def _raise_nofile(need: int) -> None:
 
 @contextlib.contextmanager
 def _daemon(
-    web_config: str | None = None, context: ssl.SSLContext | None = None
+    web_config: str | None = None, context: ssl.SSLContext | None = None, *flags: str
 ) -> Iterator[tuple[subprocess.Popen, str]]:
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-hostile-", dir="/dev/shm")
-    extra = ("--web.config.file", web_config) if web_config else ()
+    extra = (*(("--web.config.file", web_config) if web_config else ()), *flags)
     daemon, url = start_daemon(shm_dir, *extra, wait_for_source=False, context=context)
     try:
         yield daemon, url

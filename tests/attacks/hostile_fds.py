@@ -197,6 +197,18 @@ def up_count(port: int) -> int:
     return -1 if up is None else len(up)
 
 
+def accept_queue(port: int) -> int:
+    """Connections waiting in the accept queue of the socket listening on ``port`` (a
+    listener's rx_queue in /proc/net/tcp*), -1 when none is found."""
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(OSError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                if fields[3] == "0A" and int(fields[1].rsplit(":", 1)[1], 16) == port:
+                    return int(fields[4].split(":")[1], 16)
+    return -1
+
+
 def run_fdlimit(
     *, quick: bool = False, probes: int = 4, same_address: bool = False
 ) -> dict[str, Any]:
@@ -223,10 +235,14 @@ def run_fdlimit(
             source = "127.0.0.1" if same_address else ATTACK_ADDRESS
             attack = IdleClients(port, IDLE_CONNECTIONS, source=source).start()
             time.sleep(3.0)  # every idle client connected (or refused)
-            samples = []
+            samples, queued = [], []
+            reopened0, t_attack = attack.reopened, time.monotonic()
             for _ in range(probes):
+                queued.append(accept_queue(port))  # what a probe connecting now waits behind
                 samples.append(_probe(port, "/-/healthy", None, timeout=5.0))
                 time.sleep(0.5 if probes <= 4 else 0.1)
+            # Each reopening is one connection the daemon closed: accepted, then closed.
+            closed_per_s = (attack.reopened - reopened0) / (time.monotonic() - t_attack)
             pids.append(fork_writers(shm_dir, [new]))
             t0 = time.monotonic()
             wait = 5.0 if quick else 10.0  # 10-20 rediscover intervals
@@ -253,6 +269,10 @@ def run_fdlimit(
         "probes_answered": sum(ok for ok, _ in samples),
         "probe_ms": [round(t * 1e3, 1) for _, t in samples],
         "probe_p99_ms": percentile([t for ok, t in samples if ok], 99) * 1e3,
+        "accept_queue": queued,
+        "accept_queue_median": percentile(queued, 50),
+        "closed_per_s": closed_per_s,
+        "load_average": os.getloadavg()[0],
         "new_engine_served": ok,
         "new_engine_served_after_s": served_s,
         "daemon_fds": fds,

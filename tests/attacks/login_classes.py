@@ -3,6 +3,10 @@ under a wrong-password flood from 1 and from 64 addresses, for a client address 
 checked, one that logged in before the flood ("known"), and one that sent one wrong
 password 2 s before it ("once wrong": a Prometheus during a credential rotation).
 
+``front``: the connections the front serves at once (0: the default budget's 256), set
+through ``--web.connection-memory-bytes``; a small front (12) is where the flood fills
+every place and the front must choose whom to close or refuse for a login.
+
 Each login is a new user (its password uncached: one bcrypt check), from the class's
 address, on a new connection with a 10 s timeout (Prometheus' scrape timeout). Counted:
 answered 200, refused with a status (429/503), dropped (closed or reset without a
@@ -22,6 +26,7 @@ import bcrypt
 
 from kvsidecar import settings
 from kvsidecar.bench.report import percentile
+from kvsidecar.web.server import PLAIN_CONNECTION_BYTES
 from tests.attacks.hostile_clients import _daemon, _raise_nofile
 
 __all__ = ["CLASSES", "run_authclasses"]
@@ -67,7 +72,7 @@ def _flood(port: int, k: int, addresses: int, stop: threading.Event) -> None:
             stop.wait(0.05)
 
 
-def _one_flood(addresses: int, logins: int) -> dict[str, Any]:
+def _one_flood(addresses: int, logins: int, front: int = 0) -> dict[str, Any]:
     salt = bcrypt.gensalt(10)
     users = {f"{c}{i}": f"pw-{c}-{i}" for c in CLASSES for i in range(logins)}
     users["alice"] = "s3cret"
@@ -79,7 +84,8 @@ def _one_flood(addresses: int, logins: int) -> dict[str, Any]:
             f.writelines(
                 f"  {u}: '{bcrypt.hashpw(p.encode(), salt).decode()}'\n" for u, p in users.items()
             )
-        with _daemon(path) as (_, url):
+        flags = ("--web.connection-memory-bytes", str(front * PLAIN_CONNECTION_BYTES))
+        with _daemon(path, None, *(flags if front else ())) as (_, url):
             port = int(url.rsplit(":", 1)[1])
             assert _ask(port, _source("known", 0), "known-before", "before")[0] == 200
             for i in range(logins):  # one wrong password each, 2 s before the flood
@@ -118,13 +124,16 @@ def _one_flood(addresses: int, logins: int) -> dict[str, Any]:
     return rows
 
 
-def run_authclasses(*, quick: bool = False, addresses: tuple[int, ...] = (1, 64)) -> dict[str, Any]:
+def run_authclasses(
+    *, quick: bool = False, addresses: tuple[int, ...] = (1, 64), front: int = 0
+) -> dict[str, Any]:
     _raise_nofile(4096)
     logins = 3 if quick else 8
     return {
         "threads": THREADS,
         "logins_per_class": logins,
         "goal_ms": GOAL_MS,
+        "front": front,
         "daemon_from": os.environ.get(settings.BENCH_CHECKOUT.name) or "this install",
-        "floods": {str(n): _one_flood(n, logins) for n in addresses},
+        "floods": {str(n): _one_flood(n, logins, front) for n in addresses},
     }

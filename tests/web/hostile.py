@@ -11,6 +11,23 @@ from contextlib import contextmanager
 from kvsidecar.web.server import WebServer
 
 
+@contextmanager
+def metrics_server(**kwargs: object) -> Iterator[WebServer]:
+    """A started `WebServer` with one /metrics route on 0.0.0.0:0 (a 30 s head deadline
+    unless told otherwise), shut down after the block."""
+    kwargs.setdefault("request_timeout_s", 30.0)
+    web = WebServer(
+        {"/metrics": lambda request: (b"up 1\n", "text/plain; version=0.0.4")},
+        ["0.0.0.0:0"],
+        **kwargs,  # type: ignore[arg-type]
+    )
+    web.start()
+    try:
+        yield web
+    finally:
+        web.shutdown()
+
+
 def port_of(server: WebServer) -> int:
     return int(server.addresses[0].rsplit(":", 1)[1])
 

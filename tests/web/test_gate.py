@@ -31,6 +31,9 @@ def small_front() -> Iterator[WebServer]:
         max_connections=8,
         request_timeout_s=30.0,
         parked_memory=64 * PARKED_BYTES,
+        # The gate's own choices for silent connections that reach it: at once here, not
+        # after the kernel's defer period (test_gate_defer.py), nor after a first byte.
+        defer_accept_s=0,
     )
     web.start()
     yield web
