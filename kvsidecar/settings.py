@@ -188,8 +188,8 @@ WEB_CONNECTION_MEMORY_BYTES = _s(
     "WEB_CONNECTION_MEMORY_BYTES",
     "int",
     12 * 1024 * 1024,
-    "what open connections may cost together (each counted at 64 KiB with TLS, 32 KiB "
-    "without): caps them at 192 TLS / 384 plain by default; raise it with the memory limit",
+    "what open connections may cost together (each counted at 64 KiB with TLS, 48 KiB "
+    "without): caps them at 192 TLS / 256 plain by default; raise it with the memory limit",
     DAEMON,
     flag="--web.connection-memory-bytes",
 )

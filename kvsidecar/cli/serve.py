@@ -168,8 +168,8 @@ def _telemetry_path(value: str) -> str:
     show_default=True,
     envvar=settings.WEB_CONNECTION_MEMORY_BYTES.name,
     help=(
-        "What open connections may cost together, each counted at 64 KiB with TLS, 32 KiB "
-        "without (the default allows 192 TLS / 384 plain); idle ones are closed first at the cap."
+        "What open connections may cost together, each counted at 64 KiB with TLS, 48 KiB "
+        "without (the default allows 192 TLS / 256 plain); idle ones are closed first at the cap."
     ),
 )
 @click.option(
