@@ -55,3 +55,15 @@ wait_healthy() {  # name:port/path: until it answers; exits 1 when any started p
     sleep 1
   done
 }
+
+# await_stop pid seconds: wait for a session leader to exit, then SIGKILL its whole group.
+# The wait is timed by $SECONDS, not by a count of sleeps: on a loaded host each `sleep`
+# costs a fork and exec, and a counted wait ran far past its nominal length (CI).
+await_stop() {
+  local end=$((SECONDS + $2))
+  while kill -0 "$1" 2>/dev/null && [ $SECONDS -lt $end ]; do sleep 0.2; done
+  if kill -0 "$1" 2>/dev/null; then
+    echo "run.sh: pid $1 still running $2 s after SIGTERM: killing its process group" >&2
+  fi
+  kill -KILL -- "-$1" 2>/dev/null || true
+}

@@ -61,8 +61,7 @@ cleanup() {
   # crashing (it logs one and SIGKILLs itself 5 s later).
   for pid in "${pids[@]}"; do
     kill -TERM "$pid" 2>/dev/null || true
-    for _ in $(seq 100); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -KILL -- "-$pid" 2>/dev/null || true
+    await_stop "$pid" 20
   done
   [ -z "$left" ] || rm -f $left
   rm -rf "$shm"

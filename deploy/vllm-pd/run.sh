@@ -47,10 +47,7 @@ pids=() names=()
 cleanup() {
   trap - INT TERM EXIT
   for pid in "${pids[@]}"; do kill -TERM -- "-$pid" 2>/dev/null || true; done
-  for pid in "${pids[@]}"; do
-    for _ in $(seq 50); do kill -0 "$pid" 2>/dev/null || break; sleep 0.2; done
-    kill -KILL -- "-$pid" 2>/dev/null || true
-  done
+  for pid in "${pids[@]}"; do await_stop "$pid" 10; done
   rm -rf "$shm"
   echo "run.sh: stopped; logs in $workdir"
 }
