@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import heapq
 from array import array
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import msgspec
@@ -185,6 +185,10 @@ def announced_state(
 # -- the full state in bounded batches --------------------------------------------------
 
 BATCH_EVENTS = 1024  # events per EventBatch (kv_events_zmq.MAX_EVENTS_PER_BATCH)
+# bytes of events per EventBatch (an event over it goes alone): what a queue of N messages
+# holds is bounded by N batches of this, not N of 1,024 events (about 200 KB at block size
+# 16, and more with larger blocks)
+BATCH_BYTES = 8 * 1024
 SORT_CHUNK = 16384  # rows sorted by hash at a time (their runs are then merged)
 # copies per table scan call: a chunk's `Rows` (Python lists) take ~500 bytes a row
 SCAN_ROWS = 2048
@@ -192,12 +196,13 @@ SCAN_ROWS = 2048
 
 class Columns:
     """What the parents-first order needs of each kept row, in slot order, as arrays:
-    slot (4 bytes), version, hash and parent (8 each) and whether it has one (1): 29
-    bytes a row."""
+    slot and the low 32 bits of its version (4 bytes each: a slot rewritten 2**32 times
+    between the scan and its batch is not a case), hash and parent (8 each) and whether
+    it has one (1): 25 bytes a row."""
 
     def __init__(self) -> None:
         self.slots = array("I")
-        self.versions = array("Q")
+        self.versions = array("I")
         self.hashes = array("Q")
         self.parents = array("Q")
         self.has_parent = bytearray()
@@ -205,7 +210,7 @@ class Columns:
     def add(self, rows: Rows, keep: Iterable[int]) -> None:
         for i in keep:
             self.slots.append(rows.slots[i])
-            self.versions.append(rows.versions[i])
+            self.versions.append(rows.versions[i] & 0xFFFFFFFF)
             self.hashes.append(rows.hashes[i])
             p = rows.parents[i]
             self.parents.append(0 if p is None else p)
@@ -213,44 +218,46 @@ class Columns:
 
     def order(self) -> array:
         """Row indexes, parents first (`kv_events_zmq.parents_first`'s order, the same
-        on every table, cycles included), computed on arrays (`Columns`))."""
+        on every table, cycles included), computed on arrays (`Columns`), consuming the
+        hash and parent columns: at most 33 bytes a row in all while it runs (no sorted
+        copy of the hashes: they are looked up through the row order), 12 after."""
         n, sort_chunk = len(self.slots), SORT_CHUNK
         hashes = self.hashes
-        # rows by hash (stable: equal hashes in row order), sorted in chunks then merged
+        key = hashes.__getitem__
+        # rows by hash (stable: equal hashes in row order), sorted in runs then merged
         runs = [
-            array("I", sorted(range(a, min(a + sort_chunk, n)), key=hashes.__getitem__))
+            array("I", sorted(range(a, min(a + sort_chunk, n)), key=key))
             for a in range(0, n, sort_chunk)
         ]
-        by_hash = array("I", heapq.merge(*runs, key=hashes.__getitem__))
+        by_hash = array("I", bytes(4 * n))
+        for k, r in enumerate(heapq.merge(*runs, key=key)):
+            by_hash[k] = r
         del runs
-        sorted_hash = array("Q", map(hashes.__getitem__, by_hash))
-        self.hashes = hashes = None  # type: ignore[assignment]
-        # node[r]: the row standing for r's hash (the last row of it wins, as in a dict)
-        node = array("I", bytes(4 * n))
-        i = 0
-        while i < n:
-            j = i
-            while j + 1 < n and sorted_hash[j + 1] == sorted_hash[i]:
-                j += 1
-            for k in range(i, j + 1):
-                node[by_hash[k]] = by_hash[j]
-            i = j + 1
-        # up[r]: the node of r's parent hash, -1 when none or not cached
+        # the row standing for each hash is the last row of it (as in a dict): the others
+        # (equal hashes: rare) are mapped to it
+        node: dict[int, int] = {}
+        for k in range(n - 1):
+            if key(by_hash[k]) == key(by_hash[k + 1]):
+                node[by_hash[k]] = by_hash[k + 1]
+        for r in sorted(node, reverse=True):  # a run of equal hashes: its last row
+            node[r] = node.get(node[r], node[r])
+        # up[r]: the row standing for r's parent hash, -1 when none or not cached
         up = array("i", bytes(4 * n))
         parents, has_parent = self.parents, self.has_parent
         for r in range(n):
             if has_parent[r]:
                 p = parents[r]
-                k = bisect_left(sorted_hash, p)
-                up[r] = node[by_hash[k]] if k < n and sorted_hash[k] == p else -1
+                k = bisect_right(by_hash, p, key=key) - 1
+                up[r] = by_hash[k] if k >= 0 and key(by_hash[k]) == p else -1
             else:
                 up[r] = -1
-        del by_hash, sorted_hash
-        self.parents, self.has_parent = None, bytearray()  # type: ignore[assignment]
-        limit = sum(1 for r in range(n) if node[r] == r)  # distinct hashes
+        del by_hash, key
+        self.hashes = self.parents = hashes = parents = None  # type: ignore[assignment]
+        self.has_parent = bytearray()
+        limit = n - len(node)  # distinct hashes
         depth = array("i", [-1]) * n
         for r0 in range(n):
-            h = node[r0]
+            h = node.get(r0, r0)
             if depth[h] >= 0:
                 continue
             chain = []
@@ -264,8 +271,8 @@ class Columns:
                 depth[x] = base + 1 + i
         del up
         # a stable counting sort by depth (row order within a depth)
-        for r in range(n):
-            depth[r] = depth[node[r]]
+        for r, h in node.items():
+            depth[r] = depth[h]
         counts = array("I", bytes(4 * (max(depth, default=0) + 2)))
         for d in depth:
             counts[d + 1] += 1
@@ -333,8 +340,8 @@ def batches(
     drop: Callable[[int], None] | None = None,
     signed: bool = False,
 ) -> Iterator[list[bytes]]:
-    """CLEARED + a BlockStored per row of ``columns``, parents first, BATCH_EVENTS
-    events a batch (`full_state`'s events, cut the same way), each batch encoded when it
+    """CLEARED + a BlockStored per row of ``columns``, parents first, in batches of at
+    most BATCH_EVENTS events and BATCH_BYTES bytes (`cut`), each batch encoded when it
     is asked for: the events of one batch exist at a time. Each slot is read again; one
     whose version is no longer the one scanned (its data gone: its change is in the
     ring) is left out, and ``drop(slot)`` told."""
@@ -349,14 +356,28 @@ def batches(
         for r in order[a : a + size]:
             slot = slots[r]
             raw = reader.slot_row(slot)
-            if raw is not None and int.from_bytes(raw[8:16], "little") == versions[r]:
+            if raw is not None and int.from_bytes(raw[8:12], "little") == versions[r]:
                 raws.append(raw)
             elif drop is not None:
                 drop(slot)
         rows = Rows(b"".join(raws), g.slot_stride, g.block_size)
         events.extend(encoder.events(rows, range(rows.n)))
-        while len(events) >= size:
-            yield events[:size]
-            del events[:size]
-    if events:
-        yield events
+        yield from cut(events)
+    yield from cut(events, end=True)
+
+
+def cut(events: list[bytes], end: bool = False) -> Iterator[list[bytes]]:
+    """Batches taken from the front of ``events`` (encoded events), in order: at most
+    BATCH_EVENTS events and BATCH_BYTES bytes each (an event over it goes alone); the
+    events that do not fill a batch stay, unless ``end``."""
+    start = count = size = 0
+    for i, e in enumerate(events):
+        if count and (count == BATCH_EVENTS or size + len(e) > BATCH_BYTES):
+            yield events[start:i]
+            start, count, size = i, 0, 0
+        count += 1
+        size += len(e)
+    if end and count:
+        yield events[start:]
+        start = len(events)
+    del events[:start]
