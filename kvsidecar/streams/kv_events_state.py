@@ -9,13 +9,14 @@ encoded once per distinct (block size, LoRA, medium, group, spec) plus the block
 parent and token ids. The bytes are exactly what `stored_event` + msgspec give for the
 same blocks (tests/streams/test_kv_events_state.py checks it on random tables).
 
-Nothing holds the whole state: `scan` keeps compact columns of the cached rows (29 bytes
-a block), `Columns.order` orders them parents first on arrays, consuming the hash and
-parent columns (at most 41 bytes a block in all while it runs, plus one run's sort), and
+Nothing holds the whole state: `scan` keeps compact columns of the cached rows (16 bytes
+a block), `Columns.order` orders them parents first on arrays, reading the parents from
+the table again and consuming the hash column (at most 25 bytes a block in all while it
+runs, plus one run's sort), and
 `batches` reads each batch's slots again (one C call a slot: 16 bytes a block left then)
-and encodes them when the batch is asked for: one batch of BATCH_EVENTS events at a
-time. A slot whose version changed between the two reads (its data gone) is left out,
-its change being in the ring after the head.
+and encodes them when the batch is asked for: one batch (at most BATCH_EVENTS events and
+BATCH_BYTES bytes) at a time. A slot whose version changed between the reads (its data
+gone) is left out, its change being in the ring after the head.
 """
 
 from __future__ import annotations
@@ -197,33 +198,28 @@ SCAN_ROWS = 2048
 class Columns:
     """What the parents-first order needs of each kept row, in slot order, as arrays:
     slot and the low 32 bits of its version (4 bytes each: a slot rewritten 2**32 times
-    between the scan and its batch is not a case), hash and parent (8 each) and whether
-    it has one (1): 25 bytes a row."""
+    between the scan and its batch is not a case) and hash (8): 16 bytes a row. Parents
+    are read again from the table when the order is computed (`order`)."""
 
     def __init__(self) -> None:
         self.slots = array("I")
         self.versions = array("I")
         self.hashes = array("Q")
-        self.parents = array("Q")
-        self.has_parent = bytearray()
 
     def add(self, rows: Rows, keep: Iterable[int]) -> None:
         for i in keep:
             self.slots.append(rows.slots[i])
             self.versions.append(rows.versions[i] & 0xFFFFFFFF)
             self.hashes.append(rows.hashes[i])
-            p = rows.parents[i]
-            self.parents.append(0 if p is None else p)
-            self.has_parent.append(p is not None)
 
-    def order(self) -> array:
+    def order(self, reader: KVEventsReader) -> array:
         """Row indexes, parents first (`kv_events_zmq.parents_first`'s order, the same
         on every table, cycles included), computed on arrays (`Columns`), consuming the
-        hash and parent columns: at most 33 bytes a row in all while it runs (no sorted
-        copy of the hashes: they are looked up through the row order), 12 after."""
+        hash column: at most 25 bytes a row in all while it runs (no sorted copy of the
+        hashes: they are looked up through the row order; parents read from the table
+        again, `_uplinks`), 12 after."""
         n, sort_chunk = len(self.slots), SORT_CHUNK
-        hashes = self.hashes
-        key = hashes.__getitem__
+        key = self.hashes.__getitem__
         # rows by hash (stable: equal hashes in row order), sorted in runs then merged
         runs = [
             array("I", sorted(range(a, min(a + sort_chunk, n)), key=key))
@@ -241,19 +237,9 @@ class Columns:
                 node[by_hash[k]] = by_hash[k + 1]
         for r in sorted(node, reverse=True):  # a run of equal hashes: its last row
             node[r] = node.get(node[r], node[r])
-        # up[r]: the row standing for r's parent hash, -1 when none or not cached
-        up = array("i", bytes(4 * n))
-        parents, has_parent = self.parents, self.has_parent
-        for r in range(n):
-            if has_parent[r]:
-                p = parents[r]
-                k = bisect_right(by_hash, p, key=key) - 1
-                up[r] = by_hash[k] if k >= 0 and key(by_hash[k]) == p else -1
-            else:
-                up[r] = -1
+        up = self._uplinks(reader, by_hash)
         del by_hash, key
-        self.hashes = self.parents = hashes = parents = None  # type: ignore[assignment]
-        self.has_parent = bytearray()
+        self.hashes = None  # type: ignore[assignment]
         limit = n - len(node)  # distinct hashes
         depth = array("i", [-1]) * n
         for r0 in range(n):
@@ -284,6 +270,51 @@ class Columns:
             order[counts[d]] = r
             counts[d] += 1
         return order
+
+    def _uplinks(self, reader: KVEventsReader, by_hash: array) -> array:
+        """up[r]: the row standing for row r's parent hash (the last of the rows with
+        that hash in ``by_hash``, the rows by hash), -1 when it has none or that hash is
+        not cached. The parents are read from the table again, a chunk of
+        SCAN_ROWS cached slots at a time, for the rows whose slot holds the version
+        scanned; a row not among them (an announced slot that is not cached, or was
+        mid-write) is read alone, and one changed since (left out of the batches) has
+        none."""
+        key = self.hashes.__getitem__
+
+        def standing(p: int) -> int:
+            k = bisect_right(by_hash, p, key=key) - 1
+            return by_hash[k] if k >= 0 and key(by_hash[k]) == p else -1
+
+        g = reader.geometry
+        assert g is not None
+        stride, s8 = g.slot_stride, g.slot_stride // 8
+        slots, versions, n = self.slots, self.versions, len(self.slots)
+        up = array("i", [-1]) * n
+        seen = bytearray(n)
+        r = 0
+        _head, _epoch, chunks = reader.cached_row_chunks(SCAN_ROWS)
+        for _first, _end, data in chunks:
+            mv = memoryview(data)
+            q = mv.cast("Q")
+            for slot, v, p, f in zip(
+                q[0::s8], q[1::s8], q[3::s8], mv[kvl.SLOT_OFF_FLAGS :: stride]
+            ):
+                while r < n and slots[r] < slot:
+                    r += 1
+                if r < n and slots[r] == slot and versions[r] == v & 0xFFFFFFFF:
+                    seen[r] = 1
+                    if f & kvl.FLAG_HAS_PARENT:
+                        up[r] = standing(p)
+        for r in range(n):
+            if not seen[r]:
+                raw = reader.slot_row(slots[r])
+                if (
+                    raw is not None
+                    and int.from_bytes(raw[8:12], "little") == versions[r]
+                    and raw[kvl.SLOT_OFF_FLAGS] & kvl.FLAG_HAS_PARENT
+                ):
+                    up[r] = standing(int.from_bytes(raw[24:32], "little"))
+        return up
 
 
 def scan(
@@ -347,7 +378,7 @@ def batches(
     ring) is left out, and ``drop(slot)`` told."""
     g = reader.geometry
     assert g is not None
-    order = columns.order()
+    order = columns.order(reader)
     slots, versions = columns.slots, columns.versions
     encoder = StoredEncoder(reader, signed)
     events, size = [CLEARED], BATCH_EVENTS
