@@ -81,6 +81,11 @@ REPLAY_STALL_S = 5.0
 # replay answer sending it are kept while they fit STATE_WINDOW_BYTES (at least one): a
 # faster answer waits for the slowest, which REPLAY_STALL_S drops if it stalls.
 STATE_WINDOW_BYTES = 2 * 1024 * 1024
+# The kernel's send buffer of each connection of the PUB and the ROUTER (SO_SNDBUF; Linux
+# doubles it for its bookkeeping): socket memory counts against the container's cgroup
+# like the daemon's own. Left to autotuning, a client that does not read grows it up to
+# net.ipv4.tcp_wmem's maximum (4 MiB), once per connection: 64 such clients took 173 MiB.
+SOCKET_SNDBUF = 64 * 1024
 WAITING = -2
 
 
@@ -89,6 +94,7 @@ def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
     pub = ctx.socket(zmq.PUB)
     try:
         pub.set_hwm(hwm)
+        pub.setsockopt(zmq.SNDBUF, SOCKET_SNDBUF)
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(endpoint)
     except Exception:
@@ -352,6 +358,7 @@ class RankPublisher:
                 # _pending (shared bytes) until it takes them, so a slow client still gets
                 # the whole replay (vLLM 0.33's fix) and one that never reads costs little.
                 replay.setsockopt(zmq.SNDHWM, REPLAY_QUEUE_MSGS)
+                replay.setsockopt(zmq.SNDBUF, SOCKET_SNDBUF)
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so: Again
                 try:
                     replay.bind(offset_endpoint_port(o.replay_endpoint, dp_rank))

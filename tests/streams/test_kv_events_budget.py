@@ -6,6 +6,9 @@
   publisher process's anonymous RSS (the queues are libzmq's and pyzmq's memory), a real
   segment, real ZMQ over loopback TCP. On main the batches were 1,024 events (about 200 KB
   at block size 16) and the queue 1,024 of them: every such subscriber held the whole state.
+* The kernel's send buffers of those connections (charged to the container's cgroup too)
+  are bounded (`kv_events_zmq.SOCKET_SNDBUF`); main left them to autotuning, up to 4 MiB a
+  connection.
 * Every batch published, live or of a full state, is at most `kv_events_state.BATCH_BYTES`
   of events unless one event alone is larger: what bounds a queue of N messages.
 * Building the full state allocates at most 26 bytes a cached block beyond a constant
@@ -14,6 +17,8 @@
 
 from __future__ import annotations
 
+import re
+import shutil
 import subprocess
 import sys
 import tracemalloc
@@ -33,6 +38,7 @@ from kvsidecar.streams import kv_events_zmq as kz
 from kvsidecar.streams.kv_events_wire import KVEventBatch
 
 BATCH_BYTES = 8 * 1024  # kv_events_state.BATCH_BYTES (main has none)
+SNDBUF = 64 * 1024  # kv_events_zmq.SOCKET_SNDBUF (main has none)
 MB = 1024 * 1024
 
 
@@ -67,6 +73,12 @@ def test_subscribers_that_stop_reading_hold_the_queue_not_the_state(shm_dir: str
         # the queue (2 MiB), the replay buffer (2 MiB), what was announced (19 bytes a
         # slot: 3.6 MiB) and what the allocator keeps; main: the whole state and more
         assert held < state * 0.5, (held / MB, state / MB)
+        # and the kernel's send buffers of those connections, charged to the container's
+        # cgroup too: main left them to autotuning, up to 4 MiB each
+        if shutil.which("ss"):
+            queued = _kernel_send_bytes(int(endpoint.rsplit(":", 1)[1]))
+            assert len(queued) == len(subs), queued
+            assert sum(queued) <= len(subs) * 2 * SNDBUF + 64 * 1024, queued
     finally:
         for s in subs:
             s.close(linger=0)
@@ -75,6 +87,18 @@ def test_subscribers_that_stop_reading_hold_the_queue_not_the_state(shm_dir: str
             child.stdin.write("done\n")
             child.stdin.close()
         child.wait(timeout=60)
+
+
+def _kernel_send_bytes(port: int) -> list[int]:
+    """The kernel memory of each connection's send side on this local port (``ss``'s
+    skmem ``w``: what its send queue holds, not yet taken by the peer)."""
+    out = subprocess.run(
+        ["ss", "-tmnH", "state", "established", f"( sport = :{port} )"],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return [int(m) for m in re.findall(r"skmem:\(r\d+,rb\d+,t\d+,tb\d+,f\d+,w(\d+),", out)]
 
 
 def test_every_batch_is_bounded_in_bytes(shm_dir: str) -> None:
