@@ -3,7 +3,7 @@
 A new writer incarnation and a replay older than the buffer both send every cached block
 as a ``BlockStored`` of its own, parents first. Built per block from Python objects
 (`Block`, `BlockStored`) that took 1.66 s per 100,000 blocks; here the table is read
-with one C call per 2,048 cached slots (`KVEventsReader.cached_row_chunks`), its columns are
+with one C call per 512 cached slots (`KVEventsReader.cached_row_chunks`), its columns are
 taken with strided memoryview casts, and each event's msgpack is assembled from pieces
 encoded once per distinct (block size, LoRA, medium, group, spec) plus the block's hash,
 parent and token ids. The bytes are exactly what `stored_event` + msgspec give for the
@@ -191,8 +191,8 @@ BATCH_EVENTS = 1024  # events per EventBatch (kv_events_zmq.MAX_EVENTS_PER_BATCH
 # 16, and more with larger blocks)
 BATCH_BYTES = 8 * 1024
 SORT_CHUNK = 16384  # rows sorted by hash at a time (their runs are then merged)
-# copies per table scan call: a chunk's `Rows` (Python lists) take ~500 bytes a row
-SCAN_ROWS = 2048
+# copies per table scan call: a chunk's `Rows` (Python lists) take ~500 bytes a row (256 KB)
+SCAN_ROWS = 512
 
 
 class Columns:

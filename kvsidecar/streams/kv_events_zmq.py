@@ -70,7 +70,7 @@ HEARTBEAT_S = 1.0
 # batches are at most BATCH_BYTES of events (an event over it goes alone), so the queues
 # of subscribers that stopped reading during a full state hold PUB_QUEUE_BYTES of it, not
 # the state.
-REPLAY_BUFFER_BYTES = 2 * 1024 * 1024
+REPLAY_BUFFER_BYTES = 1024 * 1024
 PUB_QUEUE_BYTES = 2 * 1024 * 1024
 PUB_QUEUE_MSGS = PUB_QUEUE_BYTES // kv_events_state.BATCH_BYTES  # 256
 REPLAY_QUEUE_MSGS = 16
@@ -80,7 +80,7 @@ REPLAY_STALL_S = 5.0
 # (the live resync: as it is published); the batches between the slowest and the fastest
 # replay answer sending it are kept while they fit STATE_WINDOW_BYTES (at least one): a
 # faster answer waits for the slowest, which REPLAY_STALL_S drops if it stalls.
-STATE_WINDOW_BYTES = 2 * 1024 * 1024
+STATE_WINDOW_BYTES = 1024 * 1024
 # The kernel's send buffer of each connection of the PUB and the ROUTER (SO_SNDBUF; Linux
 # doubles it for its bookkeeping): socket memory counts against the container's cgroup
 # like the daemon's own. Left to autotuning, a client that does not read grows it up to

@@ -70,7 +70,7 @@ def test_subscribers_that_stop_reading_hold_the_queue_not_the_state(shm_dir: str
         before, after, state, events = map(int, child.stdout.readline().split())
         assert events == 200_001 and state > 25 * MB
         held = after - before
-        # the queue (2 MiB), the replay buffer (2 MiB), what was announced (19 bytes a
+        # the queue (2 MiB), the replay buffer (1 MiB), what was announced (19 bytes a
         # slot: 3.6 MiB) and what the allocator keeps; main: the whole state and more
         assert held < state * 0.5, (held / MB, state / MB)
         # and the kernel's send buffers of those connections, charged to the container's

@@ -24,7 +24,7 @@ from kvsidecar.streams.kv_events_wire import BlockStored
 
 NAME = "kvevents.mem.dp0.tp0.pp0"
 MB = 1024 * 1024
-BUFFER_BYTES = kz.REPLAY_BUFFER_BYTES  # 2 MiB (docs/kv-events.md, Memory)
+BUFFER_BYTES = kz.REPLAY_BUFFER_BYTES  # 1 MiB (docs/kv-events.md, Memory)
 
 
 def _batch(i: int) -> list[object]:
@@ -78,7 +78,7 @@ def test_a_slow_replay_client_still_gets_the_whole_answer(shm_dir: str) -> None:
     try:
         pub.poll_once()
         first = pub.seq + 1
-        for i in range(40):  # 1.6 MB: within the buffer's bytes, cut in 8 KiB batches
+        for i in range(20):  # 0.8 MB: within the buffer's bytes, cut in 8 KiB batches
             pub._publish(_batch(i))
         last = pub.seq
         assert last - first + 1 > 4 * kz.REPLAY_QUEUE_MSGS  # more than a client's queue
