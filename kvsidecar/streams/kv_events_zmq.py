@@ -65,11 +65,11 @@ HEARTBEAT_S = 1.0
 # buffer's bytes), at most MAX_PENDING_REPLAYS clients at once (the oldest request is
 # dropped for a new one), and a client that takes nothing for REPLAY_STALL_S is dropped:
 # a replay client that never reads holds a few messages, not the buffer. A subscriber
-# that does not read is dropped by the PUB at its SNDHWM (at most PUB_QUEUE_MSGS messages,
-# sent without a copy: every subscriber's queue refers to the same bytes), never waited for:
-# batches are at most BATCH_BYTES of events (an event over it goes alone), so the queues
-# of subscribers that stopped reading during a full state hold PUB_QUEUE_BYTES of it, not
-# the state.
+# that does not read is dropped by the PUB at its SNDHWM (at most PUB_QUEUE_MSGS messages;
+# libzmq keeps one copy of each, which every subscriber's queue refers to), never waited
+# for: batches are at most BATCH_BYTES of events (an event over it goes alone), so the
+# queues of subscribers that stopped reading during a full state hold PUB_QUEUE_BYTES of
+# it, not the state.
 REPLAY_BUFFER_BYTES = 1024 * 1024
 PUB_QUEUE_BYTES = 2 * 1024 * 1024
 PUB_QUEUE_MSGS = PUB_QUEUE_BYTES // kv_events_state.BATCH_BYTES  # 256
