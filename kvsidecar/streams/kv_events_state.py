@@ -11,7 +11,7 @@ same blocks (tests/streams/test_kv_events_state.py checks it on random tables).
 
 Nothing holds the whole state: `scan` keeps compact columns of the cached rows (16 bytes
 a block), `Columns.order` orders them parents first on arrays, reading the parents from
-the table again and consuming the hash column (at most 25 bytes a block in all while it
+the table again and consuming the hash column (25 bytes a block in arrays while it
 runs, plus one run's sort), and
 `batches` reads each batch's slots again (one C call a slot: 16 bytes a block left then)
 and encodes them when the batch is asked for: one batch (at most BATCH_EVENTS events and
@@ -215,7 +215,7 @@ class Columns:
     def order(self, reader: KVEventsReader) -> array:
         """Row indexes, parents first (`kv_events_zmq.parents_first`'s order, the same
         on every table, cycles included), computed on arrays (`Columns`), consuming the
-        hash column: at most 25 bytes a row in all while it runs (no sorted copy of the
+        hash column: 25 bytes a row in arrays while it runs (no sorted copy of the
         hashes: they are looked up through the row order; parents read from the table
         again, `_uplinks`), 12 after."""
         n, sort_chunk = len(self.slots), SORT_CHUNK
