@@ -13,9 +13,10 @@ Nothing holds the whole state: `scan` keeps compact columns of the cached rows (
 a block), `Columns.order` orders them parents first on arrays, reading the parents from
 the table again and consuming the hash column (25 bytes a block in arrays while it
 runs, plus one run's sort), and `batches` reads each batch's slots again (one C call a
-slot: 12 bytes a block left then) and encodes them when the batch is asked for: one batch (at most BATCH_EVENTS events and
-BATCH_BYTES bytes) at a time. A slot whose version changed between the reads (its data
-gone) is left out, its change being in the ring after the head.
+slot: 12 bytes a block left then) and encodes them when the batch is asked for: one
+batch (at most BATCH_EVENTS events and BATCH_BYTES bytes) at a time. A slot whose
+version changed between the reads (its data gone) is left out, its change being in the
+ring after the head.
 """
 
 from __future__ import annotations
