@@ -3,26 +3,27 @@
 A new writer incarnation and a replay older than the buffer both send every cached block
 as a ``BlockStored`` of its own, parents first. Built per block from Python objects
 (`Block`, `BlockStored`) that took 1.66 s per 100,000 blocks; here the table is read
-with one C call per 2,048 cached slots (`KVEventsReader.cached_row_chunks`), its columns are
+with one C call per 512 cached slots (`KVEventsReader.cached_row_chunks`), its columns are
 taken with strided memoryview casts, and each event's msgpack is assembled from pieces
 encoded once per distinct (block size, LoRA, medium, group, spec) plus the block's hash,
 parent and token ids. The bytes are exactly what `stored_event` + msgspec give for the
 same blocks (tests/streams/test_kv_events_state.py checks it on random tables).
 
-Nothing holds the whole state: `scan` keeps compact columns of the cached rows (29 bytes
-a block), `Columns.order` orders them parents first on arrays, consuming the hash and
-parent columns (at most 41 bytes a block in all while it runs, plus one run's sort), and
-`batches` reads each batch's slots again (one C call a slot: 16 bytes a block left then)
-and encodes them when the batch is asked for: one batch of BATCH_EVENTS events at a
-time. A slot whose version changed between the two reads (its data gone) is left out,
-its change being in the ring after the head.
+Nothing holds the whole state: `scan` keeps compact columns of the cached rows (16 bytes
+a block), `Columns.order` orders them parents first on arrays, reading the parents from
+the table again and consuming the hash column (25 bytes a block in arrays while it
+runs, plus one run's sort), and `batches` reads each batch's slots again (one C call a
+slot: 12 bytes a block left then) and encodes them when the batch is asked for: one
+batch (at most BATCH_EVENTS events and BATCH_BYTES bytes) at a time. A slot whose
+version changed between the reads (its data gone) is left out, its change being in the
+ring after the head.
 """
 
 from __future__ import annotations
 
 import heapq
 from array import array
-from bisect import bisect_left
+from bisect import bisect_right
 from collections.abc import Callable, Iterable, Iterator, Sequence
 
 import msgspec
@@ -185,72 +186,64 @@ def announced_state(
 # -- the full state in bounded batches --------------------------------------------------
 
 BATCH_EVENTS = 1024  # events per EventBatch (kv_events_zmq.MAX_EVENTS_PER_BATCH)
+# bytes of events per EventBatch (an event over it goes alone): what a queue of N messages
+# holds is bounded by N batches of this, not N of 1,024 events (about 200 KB at block size
+# 16, and more with larger blocks)
+BATCH_BYTES = 8 * 1024
 SORT_CHUNK = 16384  # rows sorted by hash at a time (their runs are then merged)
-# copies per table scan call: a chunk's `Rows` (Python lists) take ~500 bytes a row
-SCAN_ROWS = 2048
+# copies per table scan call: a chunk's `Rows` (Python lists) take ~500 bytes a row (256 KB)
+SCAN_ROWS = 512
 
 
 class Columns:
     """What the parents-first order needs of each kept row, in slot order, as arrays:
-    slot (4 bytes), version, hash and parent (8 each) and whether it has one (1): 29
-    bytes a row."""
+    slot and the low 32 bits of its version (4 bytes each: a slot rewritten 2**32 times
+    between the scan and its batch is not a case) and hash (8): 16 bytes a row. Parents
+    are read again from the table when the order is computed (`order`)."""
 
     def __init__(self) -> None:
         self.slots = array("I")
-        self.versions = array("Q")
+        self.versions = array("I")
         self.hashes = array("Q")
-        self.parents = array("Q")
-        self.has_parent = bytearray()
 
     def add(self, rows: Rows, keep: Iterable[int]) -> None:
         for i in keep:
             self.slots.append(rows.slots[i])
-            self.versions.append(rows.versions[i])
+            self.versions.append(rows.versions[i] & 0xFFFFFFFF)
             self.hashes.append(rows.hashes[i])
-            p = rows.parents[i]
-            self.parents.append(0 if p is None else p)
-            self.has_parent.append(p is not None)
 
-    def order(self) -> array:
+    def order(self, reader: KVEventsReader) -> array:
         """Row indexes, parents first (`kv_events_zmq.parents_first`'s order, the same
-        on every table, cycles included), computed on arrays (`Columns`))."""
+        on every table, cycles included), computed on arrays (`Columns`), consuming the
+        hash column: 25 bytes a row in arrays while it runs (no sorted copy of the
+        hashes: they are looked up through the row order; parents read from the table
+        again, `_uplinks`), 12 after."""
         n, sort_chunk = len(self.slots), SORT_CHUNK
-        hashes = self.hashes
-        # rows by hash (stable: equal hashes in row order), sorted in chunks then merged
+        key = self.hashes.__getitem__
+        # rows by hash (stable: equal hashes in row order), sorted in runs then merged
         runs = [
-            array("I", sorted(range(a, min(a + sort_chunk, n)), key=hashes.__getitem__))
+            array("I", sorted(range(a, min(a + sort_chunk, n)), key=key))
             for a in range(0, n, sort_chunk)
         ]
-        by_hash = array("I", heapq.merge(*runs, key=hashes.__getitem__))
+        by_hash = array("I", bytes(4 * n))
+        for k, r in enumerate(heapq.merge(*runs, key=key)):
+            by_hash[k] = r
         del runs
-        sorted_hash = array("Q", map(hashes.__getitem__, by_hash))
-        self.hashes = hashes = None  # type: ignore[assignment]
-        # node[r]: the row standing for r's hash (the last row of it wins, as in a dict)
-        node = array("I", bytes(4 * n))
-        i = 0
-        while i < n:
-            j = i
-            while j + 1 < n and sorted_hash[j + 1] == sorted_hash[i]:
-                j += 1
-            for k in range(i, j + 1):
-                node[by_hash[k]] = by_hash[j]
-            i = j + 1
-        # up[r]: the node of r's parent hash, -1 when none or not cached
-        up = array("i", bytes(4 * n))
-        parents, has_parent = self.parents, self.has_parent
-        for r in range(n):
-            if has_parent[r]:
-                p = parents[r]
-                k = bisect_left(sorted_hash, p)
-                up[r] = node[by_hash[k]] if k < n and sorted_hash[k] == p else -1
-            else:
-                up[r] = -1
-        del by_hash, sorted_hash
-        self.parents, self.has_parent = None, bytearray()  # type: ignore[assignment]
-        limit = sum(1 for r in range(n) if node[r] == r)  # distinct hashes
+        # the row standing for each hash is the last row of it (as in a dict): the others
+        # (equal hashes: rare) are mapped to it
+        node: dict[int, int] = {}
+        for k in range(n - 1):
+            if key(by_hash[k]) == key(by_hash[k + 1]):
+                node[by_hash[k]] = by_hash[k + 1]
+        for r in sorted(node, reverse=True):  # a run of equal hashes: its last row
+            node[r] = node.get(node[r], node[r])
+        up = self._uplinks(reader, by_hash)
+        del by_hash, key
+        self.hashes = None  # type: ignore[assignment]
+        limit = n - len(node)  # distinct hashes
         depth = array("i", [-1]) * n
         for r0 in range(n):
-            h = node[r0]
+            h = node.get(r0, r0)
             if depth[h] >= 0:
                 continue
             chain = []
@@ -264,8 +257,8 @@ class Columns:
                 depth[x] = base + 1 + i
         del up
         # a stable counting sort by depth (row order within a depth)
-        for r in range(n):
-            depth[r] = depth[node[r]]
+        for r, h in node.items():
+            depth[r] = depth[h]
         counts = array("I", bytes(4 * (max(depth, default=0) + 2)))
         for d in depth:
             counts[d + 1] += 1
@@ -277,6 +270,51 @@ class Columns:
             order[counts[d]] = r
             counts[d] += 1
         return order
+
+    def _uplinks(self, reader: KVEventsReader, by_hash: array) -> array:
+        """up[r]: the row standing for row r's parent hash (the last of the rows with
+        that hash in ``by_hash``, the rows by hash), -1 when it has none or that hash is
+        not cached. The parents are read from the table again, a chunk of
+        SCAN_ROWS cached slots at a time, for the rows whose slot holds the version
+        scanned; a row not among them (an announced slot that is not cached, or was
+        mid-write) is read alone, and one changed since (left out of the batches) has
+        none."""
+        key = self.hashes.__getitem__
+
+        def standing(p: int) -> int:
+            k = bisect_right(by_hash, p, key=key) - 1
+            return by_hash[k] if k >= 0 and key(by_hash[k]) == p else -1
+
+        g = reader.geometry
+        assert g is not None
+        stride, s8 = g.slot_stride, g.slot_stride // 8
+        slots, versions, n = self.slots, self.versions, len(self.slots)
+        up = array("i", [-1]) * n
+        seen = bytearray(n)
+        r = 0
+        _head, _epoch, chunks = reader.cached_row_chunks(SCAN_ROWS)
+        for _first, _end, data in chunks:
+            mv = memoryview(data)
+            q = mv.cast("Q")
+            for slot, v, p, f in zip(
+                q[0::s8], q[1::s8], q[3::s8], mv[kvl.SLOT_OFF_FLAGS :: stride]
+            ):
+                while r < n and slots[r] < slot:
+                    r += 1
+                if r < n and slots[r] == slot and versions[r] == v & 0xFFFFFFFF:
+                    seen[r] = 1
+                    if f & kvl.FLAG_HAS_PARENT:
+                        up[r] = standing(p)
+        for r in range(n):
+            if not seen[r]:
+                raw = reader.slot_row(slots[r])
+                if (
+                    raw is not None
+                    and int.from_bytes(raw[8:12], "little") == versions[r]
+                    and raw[kvl.SLOT_OFF_FLAGS] & kvl.FLAG_HAS_PARENT
+                ):
+                    up[r] = standing(int.from_bytes(raw[24:32], "little"))
+        return up
 
 
 def scan(
@@ -333,14 +371,14 @@ def batches(
     drop: Callable[[int], None] | None = None,
     signed: bool = False,
 ) -> Iterator[list[bytes]]:
-    """CLEARED + a BlockStored per row of ``columns``, parents first, BATCH_EVENTS
-    events a batch (`full_state`'s events, cut the same way), each batch encoded when it
+    """CLEARED + a BlockStored per row of ``columns``, parents first, in batches of at
+    most BATCH_EVENTS events and BATCH_BYTES bytes (`cut`), each batch encoded when it
     is asked for: the events of one batch exist at a time. Each slot is read again; one
     whose version is no longer the one scanned (its data gone: its change is in the
     ring) is left out, and ``drop(slot)`` told."""
     g = reader.geometry
     assert g is not None
-    order = columns.order()
+    order = columns.order(reader)
     slots, versions = columns.slots, columns.versions
     encoder = StoredEncoder(reader, signed)
     events, size = [CLEARED], BATCH_EVENTS
@@ -349,14 +387,28 @@ def batches(
         for r in order[a : a + size]:
             slot = slots[r]
             raw = reader.slot_row(slot)
-            if raw is not None and int.from_bytes(raw[8:16], "little") == versions[r]:
+            if raw is not None and int.from_bytes(raw[8:12], "little") == versions[r]:
                 raws.append(raw)
             elif drop is not None:
                 drop(slot)
         rows = Rows(b"".join(raws), g.slot_stride, g.block_size)
         events.extend(encoder.events(rows, range(rows.n)))
-        while len(events) >= size:
-            yield events[:size]
-            del events[:size]
-    if events:
-        yield events
+        yield from cut(events)
+    yield from cut(events, end=True)
+
+
+def cut(events: list[bytes], end: bool = False) -> Iterator[list[bytes]]:
+    """Batches taken from the front of ``events`` (encoded events), in order: at most
+    BATCH_EVENTS events and BATCH_BYTES bytes each (an event over it goes alone); the
+    events that do not fill a batch stay, unless ``end``."""
+    start = count = size = 0
+    for i, e in enumerate(events):
+        if count and (count == BATCH_EVENTS or size + len(e) > BATCH_BYTES):
+            yield events[start:i]
+            start, count, size = i, 0, 0
+        count += 1
+        size += len(e)
+    if end and count:
+        yield events[start:]
+        start = len(events)
+    del events[:start]

@@ -43,7 +43,6 @@ from kvsidecar.streams.kv_events_wire import (
     AllBlocksCleared,
     BlockRemoved,
     BlockStored,
-    EventBatch,
     offset_endpoint_port,
     signed_hashes,
     uses_signed_hashes,
@@ -66,10 +65,14 @@ HEARTBEAT_S = 1.0
 # buffer's bytes), at most MAX_PENDING_REPLAYS clients at once (the oldest request is
 # dropped for a new one), and a client that takes nothing for REPLAY_STALL_S is dropped:
 # a replay client that never reads holds a few messages, not the buffer. A subscriber
-# that does not read is dropped by the PUB at its SNDHWM (at most PUB_QUEUE_MSGS messages,
-# sent without a copy: every subscriber's queue refers to the same bytes), never waited for.
-REPLAY_BUFFER_BYTES = 4 * 1024 * 1024
-PUB_QUEUE_MSGS = 1024
+# that does not read is dropped by the PUB at its SNDHWM (at most PUB_QUEUE_MSGS messages;
+# libzmq keeps one copy of each, which every subscriber's queue refers to), never waited
+# for: batches are at most BATCH_BYTES of events (an event over it goes alone), so the
+# queues of subscribers that stopped reading during a full state hold PUB_QUEUE_BYTES of
+# it, not the state.
+REPLAY_BUFFER_BYTES = 1024 * 1024
+PUB_QUEUE_BYTES = 2 * 1024 * 1024
+PUB_QUEUE_MSGS = PUB_QUEUE_BYTES // kv_events_state.BATCH_BYTES  # 256
 REPLAY_QUEUE_MSGS = 16
 MAX_PENDING_REPLAYS = 64
 REPLAY_STALL_S = 5.0
@@ -77,7 +80,12 @@ REPLAY_STALL_S = 5.0
 # (the live resync: as it is published); the batches between the slowest and the fastest
 # replay answer sending it are kept while they fit STATE_WINDOW_BYTES (at least one): a
 # faster answer waits for the slowest, which REPLAY_STALL_S drops if it stalls.
-STATE_WINDOW_BYTES = 4 * 1024 * 1024
+STATE_WINDOW_BYTES = 1024 * 1024
+# The kernel's send buffer of each connection of the PUB and the ROUTER (SO_SNDBUF; Linux
+# doubles it for its bookkeeping): socket memory counts against the container's cgroup
+# like the daemon's own. Left to autotuning, a client that does not read grows it up to
+# net.ipv4.tcp_wmem's maximum (4 MiB), once per connection: 64 such clients took 173 MiB.
+SOCKET_SNDBUF = 64 * 1024
 WAITING = -2
 
 
@@ -86,6 +94,7 @@ def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
     pub = ctx.socket(zmq.PUB)
     try:
         pub.set_hwm(hwm)
+        pub.setsockopt(zmq.SNDBUF, SOCKET_SNDBUF)
         pub.setsockopt(zmq.LINGER, 0)
         pub.bind(endpoint)
     except Exception:
@@ -349,6 +358,7 @@ class RankPublisher:
                 # _pending (shared bytes) until it takes them, so a slow client still gets
                 # the whole replay (vLLM 0.33's fix) and one that never reads costs little.
                 replay.setsockopt(zmq.SNDHWM, REPLAY_QUEUE_MSGS)
+                replay.setsockopt(zmq.SNDBUF, SOCKET_SNDBUF)
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so: Again
                 try:
                     replay.bind(offset_endpoint_port(o.replay_endpoint, dp_rank))
@@ -498,17 +508,20 @@ class RankPublisher:
     # -- the wire -----------------------------------------------------------------------
 
     def _publish(self, events: list, heartbeat: bool = False, encoded: bool = False) -> None:
-        """Events as batches of at most MAX_EVENTS_PER_BATCH (none: nothing, unless this is
-        the idle heartbeat, one empty batch); ``encoded``: each event is msgpack already."""
+        """Events as batches of at most MAX_EVENTS_PER_BATCH events and BATCH_BYTES bytes
+        (`kv_events_state.cut`; none: nothing, unless this is the idle heartbeat, one
+        empty batch); ``encoded``: each event is msgpack already."""
         pub = self._pub
         if pub is None:
             return
-        for i in range(0, max(len(events), 1), MAX_EVENTS_PER_BATCH):
-            chunk = events[i : i + MAX_EVENTS_PER_BATCH]
-            if not chunk and not heartbeat:
-                return
+        if not encoded:
+            if self._signed:
+                signed_hashes(events)
+            events = [self._enc.encode(e) for e in events]
+        chunks = kv_events_state.cut(events, end=True) if events else [[]] if heartbeat else []
+        for chunk in chunks:
             self.seq += 1
-            payload = self._batch(chunk, encoded)
+            payload = self._batch(chunk)
             seq = self.seq.to_bytes(8, "big")
             try:
                 pub.send_multipart((self._topic, seq, payload), flags=zmq.NOBLOCK, copy=False)
@@ -643,16 +656,10 @@ class RankPublisher:
             else:
                 self._stream = None
 
-    def _batch(self, events: list, encoded: bool) -> bytes:
-        """One EventBatch's payload, stamped now; ``encoded``: the events are msgpack already
-        (their hashes in this segment's form); SGLang's segments' hashes go signed."""
-        if encoded:
-            return kv_events_state.encode_batch(self._enc, self._clock(), events, self.dp_rank)
-        if self._signed:
-            signed_hashes(events)
-        return self._enc.encode(
-            EventBatch(ts=self._clock(), events=events, data_parallel_rank=self.dp_rank)
-        )
+    def _batch(self, events: list[bytes]) -> bytes:
+        """One EventBatch's payload of encoded events (their hashes in this segment's
+        form: SGLang's signed), stamped now."""
+        return kv_events_state.encode_batch(self._enc, self._clock(), events, self.dp_rank)
 
     def _state_batches(self) -> Iterator[bytes]:
         """The announced state as batches, each encoded when it is asked for:
@@ -663,7 +670,7 @@ class RankPublisher:
         pick = kv_events_state.announced_rows(reader, state.version)
         _head, columns = kv_events_state.scan(reader, pick)
         for events in kv_events_state.batches(reader, columns, signed=self._signed):
-            yield self._batch(events, True)
+            yield self._batch(events)
 
 
 class _StateStream:

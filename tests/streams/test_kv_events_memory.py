@@ -24,7 +24,7 @@ from kvsidecar.streams.kv_events_wire import BlockStored
 
 NAME = "kvevents.mem.dp0.tp0.pp0"
 MB = 1024 * 1024
-BUFFER_BYTES = 4 * MB  # the replay buffer's budget (docs/kv-events.md, Memory)
+BUFFER_BYTES = kz.REPLAY_BUFFER_BYTES  # 1 MiB (docs/kv-events.md, Memory)
 
 
 def _batch(i: int) -> list[object]:
@@ -78,8 +78,10 @@ def test_a_slow_replay_client_still_gets_the_whole_answer(shm_dir: str) -> None:
     try:
         pub.poll_once()
         first = pub.seq + 1
-        for i in range(60):  # 2.4 MB: within the buffer's bytes, 4 x a client's queue
+        for i in range(20):  # 0.8 MB: within the buffer's bytes, cut in 8 KiB batches
             pub._publish(_batch(i))
+        last = pub.seq
+        assert last - first + 1 > 4 * kz.REPLAY_QUEUE_MSGS  # more than a client's queue
         c.connect(f"tcp://127.0.0.1:{replay_port}")
         c.send_multipart([b"", first.to_bytes(8, "big")])
         for _ in range(20):  # the client reads nothing yet
@@ -94,7 +96,7 @@ def test_a_slow_replay_client_still_gets_the_whole_answer(shm_dir: str) -> None:
             if frames[2] == kz.END_SEQ:
                 break
             got.append(int.from_bytes(frames[2], "big"))
-        assert got == list(range(first, first + 60))
+        assert got == list(range(first, last + 1))
     finally:
         c.close(linger=0)
         pub._close()
