@@ -230,14 +230,21 @@ def test_burst_running_and_queued(stack):
         values = ss.sglang_values(port)
         return t0, time.monotonic(), values
 
-    with (
-        ss.StateLog(stack["shm"], SEGMENT) as log,
-        sampling(lambda: ss.kvsidecar_values(url), 0.1) as ours,
-        sampling(timed_sglang, 0.05) as timed,
-    ):
-        sb.generate(port, prompts, 48)  # one HTTP request, 12 SGLang requests
-    theirs = [v for _, _, v in timed]
-    bad, reports, lag = ss.unexplained_reports(log.states, timed)
+    # The burst must outlast a few of SGLang's reports: the stand-in model's speed follows
+    # the host's load (a quiet CI host decoded 48 tokens x 12 in ~0.3 s: 4 reports), so a
+    # burst too short to see is run again, longer.
+    for tokens in (48, 192, 768):
+        with (
+            ss.StateLog(stack["shm"], SEGMENT) as log,
+            sampling(lambda: ss.kvsidecar_values(url), 0.1) as ours,
+            sampling(timed_sglang, 0.05) as timed,
+        ):
+            sb.generate(port, prompts, tokens)  # one HTTP request, 12 SGLang requests
+        theirs = [v for _, _, v in timed]
+        bad, reports, lag = ss.unexplained_reports(log.states, timed)
+        if reports >= 5:
+            break
+        settled(stack)  # the next burst starts from an idle engine
     running = max(v["running"] for v in ours)
     waiting = max(v["waiting"] for v in ours)
     print(
