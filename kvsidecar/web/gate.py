@@ -201,6 +201,12 @@ class Gate:
         self.awaiting_ready: list[tuple[_Parked, bool, bool, float]] = []
         self.hellos: OrderedDict[bytes, None] = OrderedDict()
         self.adopted: collections.deque[tuple[socket.socket, str]] = collections.deque()
+        # Complete heads the front had no room for when they arrived (it counts as room
+        # the connections it may close, read here from another thread, and one of those
+        # can have become busy meanwhile): queued again first of their address, and none
+        # handed on until the front next says a connection left (`wake`).
+        self.returned: collections.deque[tuple[socket.socket, str]] = collections.deque()
+        self.front_full = False
         # TLS: complete ClientHellos waiting for the front are watched for their client
         # hanging up (EPOLLRDHUP alone: their unread hello would keep a readable watch
         # firing). A TLS client never shuts its side before its handshake is done, so a
@@ -246,6 +252,13 @@ class Gate:
         self.adopted.append((sock, host))
         self._wake()
 
+    def give_back(self, sock: socket.socket, host: str) -> None:
+        """Queue ``sock``'s complete head here again (front thread): the front found itself
+        full when it arrived, and it closes no request owed its answer to make room."""
+        self.front_full = True
+        self.returned.append((sock, host))
+        self._wake()
+
     def _wake(self) -> None:
         try:
             self._wake_w.send(b"x")
@@ -272,6 +285,8 @@ class Gate:
                     key.data(key.fileobj)
                 while self.adopted:
                     self._admit(*self.adopted.popleft())
+                while self.returned:
+                    self._requeue(*self.returned.popleft())
                 while self.shook_news:
                     self._note_shook(*self.shook_news.popleft())
                 self._hand_queued(time.monotonic())
@@ -288,6 +303,8 @@ class Gate:
                     parked.sock.close()
             while self.adopted:
                 self.adopted.popleft()[0].close()
+            while self.returned:
+                self.returned.popleft()[0].close()
             for key in list(self.sel.get_map().values()):  # the hang-up watch's fd included
                 self.sel.unregister(key.fileobj)
             self.sel.close()
@@ -620,12 +637,24 @@ class Gate:
 
     def wake(self) -> None:
         """The front has room again (any thread): hand over what waits."""
-        if self.queued:
+        self.front_full = False
+        if self.queued or self.returned:
             self._wake()
 
     def _pass(self, parked: _Parked) -> None:
         self._unpark(parked)
         self.queued.setdefault(parked.host, collections.deque()).append(parked)
+        self._queued(parked)
+
+    def _requeue(self, sock: socket.socket, host: str) -> None:
+        """A head the front gave back (`give_back`): first of its address again, its
+        address first in the round (it had its turn), with a new head deadline."""
+        parked = _Parked(sock, host, time.monotonic(), self.head_timeout_s)
+        self.queued.setdefault(host, collections.deque()).appendleft(parked)
+        self.queued.move_to_end(host, last=False)
+        self._queued(parked)
+
+    def _queued(self, parked: _Parked) -> None:
         self.queued_count += 1
         if self.hangups is not None:
             if self._ranked_host(parked.host, time.monotonic()):
@@ -688,7 +717,7 @@ class Gate:
                     expired = queue[0]
                     self._dequeue(expired, queue)  # waited its whole deadline for the front
                     self._refuse(expired)
-        room = self.front_room() - (self.sent - self.taken)
+        room = 0 if self.front_full else self.front_room() - (self.sent - self.taken)
         while self.queued and room > 0:
             # TLS: the round of addresses that completed handshakes lately goes first.
             host = next(iter(self.ranked or self.queued))

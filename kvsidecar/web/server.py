@@ -291,10 +291,16 @@ class _Front:
     def _admit(self, conn: _Conn) -> bool:
         cap = self.cap()
         if cap and len(self.open) >= cap:
-            self.web.stats.connection_rejected()
             victim = self._victim(conn.host)
             if victim is None:
+                self.web.stats.connection_rejected()
                 return False  # every connection is being answered: refuse the newcomer
+            if victim.host == conn.host and self._queues_at_gate() and self._owed_an_answer(victim):
+                # One request of an address for another of the same address: the
+                # newcomer's waits at the gate for room instead (`_give_back`). Between
+                # addresses the heavier one pays, told why (`_victim`).
+                return False
+            self.web.stats.connection_rejected()
             self._drop(victim)
         self.open.add(conn)
         self.by_host.setdefault(conn.host, {})[conn] = None
@@ -479,6 +485,8 @@ class _Front:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self._admit(conn):
+            if self._queues_at_gate() and self._give_back(conn):
+                return
             if self.gate is not None and not self.gate.tls:
                 # A whole head came from the gate (credentials, maybe): refused with a
                 # status, not dropped. TLS: nothing can be said before a handshake.
@@ -510,6 +518,25 @@ class _Front:
             self._forget(conn)
             if not writer.transport.is_closing():
                 writer.transport.abort()
+
+    def _queues_at_gate(self) -> bool:
+        """Plain: a whole head handed by the gate can wait there again for room (TLS: a
+        hello, whose handshake is under way once handed, cannot)."""
+        return self.gate is not None and not self.gate.tls
+
+    def _give_back(self, conn: _Conn) -> bool:
+        """A handed head the full front cannot take (not admitted, not yet read): back to
+        the gate's queue, first of its address, instead of a 503 or closing another's
+        request; False at the open-file limit (then refused with its 503)."""
+        assert self.gate is not None
+        sock = conn.writer.get_extra_info("socket")
+        try:
+            kept = socket.socket(fileno=os.dup(sock.fileno()))
+        except OSError:
+            return False
+        conn.writer.transport.abort()  # our descriptor only: the client's is the dup's
+        self.gate.give_back(kept, conn.host)
+        return True
 
     def _back_to_gate(self, conn: _Conn) -> bool:
         """An idle plain keep-alive connection (answered, nothing buffered either way) goes
