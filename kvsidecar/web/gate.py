@@ -644,7 +644,7 @@ class Gate:
     def _pass(self, parked: _Parked) -> None:
         self._unpark(parked)
         self.queued.setdefault(parked.host, collections.deque()).append(parked)
-        self._queued(parked)
+        self._enqueued(parked)
 
     def _requeue(self, sock: socket.socket, host: str) -> None:
         """A head the front gave back (`give_back`): first of its address again, its
@@ -652,9 +652,9 @@ class Gate:
         parked = _Parked(sock, host, time.monotonic(), self.head_timeout_s)
         self.queued.setdefault(host, collections.deque()).appendleft(parked)
         self.queued.move_to_end(host, last=False)
-        self._queued(parked)
+        self._enqueued(parked)
 
-    def _queued(self, parked: _Parked) -> None:
+    def _enqueued(self, parked: _Parked) -> None:
         self.queued_count += 1
         if self.hangups is not None:
             if self._ranked_host(parked.host, time.monotonic()):

@@ -293,11 +293,10 @@ class _Front:
         if cap and len(self.open) >= cap:
             victim = self._victim(conn.host)
             if victim is None:
-                self.web.stats.connection_rejected()
-                return False  # every connection is being answered: refuse the newcomer
+                return False  # every connection is being answered: not the newcomer
             if victim.host == conn.host and self._queues_at_gate() and self._owed_an_answer(victim):
                 # One request of an address for another of the same address: the
-                # newcomer's waits at the gate for room instead (`_give_back`). Between
+                # newcomer's waits at the gate for room instead (`_to_gate`). Between
                 # addresses the heavier one pays, told why (`_victim`).
                 return False
             self.web.stats.connection_rejected()
@@ -485,11 +484,15 @@ class _Front:
             with contextlib.suppress(OSError):
                 sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         if not self._admit(conn):
-            if self._queues_at_gate() and self._give_back(conn):
+            # Plain: the whole head waits at the gate again, first of its address, for
+            # room (`Gate.give_back`); refused with a status only at the open-file limit,
+            # never dropped. TLS: a handed hello cannot wait, nothing can be said before
+            # a handshake.
+            gate = self.gate if self._queues_at_gate() else None
+            if gate is not None and self._to_gate(conn, gate.give_back):
                 return
-            if self.gate is not None and not self.gate.tls:
-                # A whole head came from the gate (credentials, maybe): refused with a
-                # status, not dropped. TLS: nothing can be said before a handshake.
+            self.web.stats.connection_rejected()
+            if gate is not None:
                 conn.owed = _refusal(503, _FRONT_FULL, {"Retry-After": "1"})
                 self._drop(conn)
             else:
@@ -524,25 +527,24 @@ class _Front:
         hello, whose handshake is under way once handed, cannot)."""
         return self.gate is not None and not self.gate.tls
 
-    def _give_back(self, conn: _Conn) -> bool:
-        """A handed head the full front cannot take (not admitted, not yet read): back to
-        the gate's queue, first of its address, instead of a 503 or closing another's
-        request; False at the open-file limit (then refused with its 503)."""
-        assert self.gate is not None
+    def _to_gate(self, conn: _Conn, hand: Callable[[socket.socket, str], None]) -> bool:
+        """``conn``'s socket to the gate (``hand``: `Gate.adopt` or `Gate.give_back`): it
+        is duplicated and the transport dropped, which closes only our old descriptor.
+        False at the open-file limit: it stays here."""
         sock = conn.writer.get_extra_info("socket")
         try:
             kept = socket.socket(fileno=os.dup(sock.fileno()))
         except OSError:
             return False
-        conn.writer.transport.abort()  # our descriptor only: the client's is the dup's
-        self.gate.give_back(kept, conn.host)
+        self._forget(conn)
+        conn.writer.transport.abort()
+        hand(kept, conn.host)
         return True
 
     def _back_to_gate(self, conn: _Conn) -> bool:
         """An idle plain keep-alive connection (answered, nothing buffered either way) goes
         back to the gate to wait for its next head there, at no cost to the front: only
-        connections being served count under the front's cap. Its socket is duplicated
-        and the transport dropped, which closes only our old descriptor."""
+        connections being served count under the front's cap (`_to_gate`)."""
         reader = conn.reader
         if (
             self.gate is None
@@ -552,15 +554,7 @@ class _Front:
             or _gone(conn)
         ):
             return False
-        sock = conn.writer.get_extra_info("socket")
-        try:
-            kept = socket.socket(fileno=os.dup(sock.fileno()))
-        except OSError:
-            return False  # at the open-file limit: it stays here
-        self._forget(conn)
-        conn.writer.transport.abort()
-        self.gate.adopt(kept, conn.host)
-        return True
+        return self._to_gate(conn, self.gate.adopt)
 
     async def _handshake(self, conn: _Conn, state: LiveState) -> bool:
         assert state.ssl_context is not None and state.cfg is not None
