@@ -10,7 +10,7 @@ PIP_FLAGS ?= -q --disable-pip-version-check
 
 RUN_STAMP := $(VENV)/.run-stamp
 
-$(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c kvsidecar/web/_pollfast.c
+$(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c kvsidecar/web/_pollfast.c kvsidecar/daemon/_gatewaystep.c
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install $(PIP_FLAGS) -c constraints.txt -e '.[agent,dev,otlp]'
 	touch $(STAMP) $(RUN_STAMP)
@@ -19,7 +19,7 @@ $(STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c 
 # first run downloads torch (CPU) and takes minutes. pyzmq (kvevents): the demo publishes KV
 # events. numpy: torch warns at every import
 # without it (its CPU wheel does not bring it); the demo itself does not need it.
-$(RUN_STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c kvsidecar/web/_pollfast.c
+$(RUN_STAMP): pyproject.toml setup.py constraints.txt kvsidecar/protocol/_seqlock.c kvsidecar/web/_pollfast.c kvsidecar/daemon/_gatewaystep.c
 	@test -x $(BIN)/python || { echo "make run: creating $(VENV)"; $(PYTHON) -m venv $(VENV); }
 	@echo "make run: installing kvsidecar and torch (CPU) into $(VENV); the first time takes a few minutes"
 	$(BIN)/pip install --disable-pip-version-check -c constraints.txt -e '.[agent,kvevents]' numpy

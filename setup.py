@@ -1,6 +1,7 @@
 """Build the C extensions: seqlock fences, slot publish and guarded slot copy (required);
-the gateway listener's fast path (optional: without a compiler for it, or where it fails to
-build, `kvsidecar.web.poll_server` serves every poll in Python, as before).
+the gateway listener's fast path and a gateway rank's new-step answer (optional: without a
+compiler for them, or where they fail to build, `kvsidecar.web.poll_server` serves every
+poll in Python, and a new step takes the full check, as before).
 
 Everything else is in pyproject.toml; setuptools still needs ext_modules here.
 """
@@ -17,6 +18,12 @@ setup(
         Extension(
             "kvsidecar.web._pollfast",
             sources=["kvsidecar/web/_pollfast.c"],
+            extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
+            optional=True,
+        ),
+        Extension(
+            "kvsidecar.daemon._gatewaystep",
+            sources=["kvsidecar/daemon/_gatewaystep.c"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
             optional=True,
         ),

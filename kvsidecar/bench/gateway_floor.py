@@ -18,7 +18,14 @@ turn, same writer:
   every poll on the Python path;
 * ``compiled``: the same, the polls of an unchanged step served by the listener's
   compiled path (`kvsidecar.web._pollfast`: the wait, recv, compare, word, send in C),
-  everything else by the Python path (measured only where the extension is built).
+  and a new step whose bytes moved only in counts answered in C too
+  (`kvsidecar.daemon.gateway_step`), everything else by the Python path (measured only
+  where the extensions are built);
+* ``compiled_python_steps``: the same without `gateway_step`: each new step a Python full
+  check, as before it;
+* ``floor``: the compiled path serving one constant answer (no segment, no check): what a
+  poll costs this host's listener thread at the least (a wake-up, a read, a compare, a
+  write), the bound under any design of the checks.
 
 Both with the shared parser's verdict kept per distinct head, and the same answer tuple's
 bytes re-sent (`poll_server`): the parse and the head are a lookup in both.
@@ -51,6 +58,7 @@ from kvsidecar.daemon import gateway as gw
 from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.target import Target
 from kvsidecar.daemon.targets import TargetSet
+from kvsidecar.protocol import _seqlock
 from kvsidecar.web import poll_server
 from kvsidecar.web.poll_server import PollServer
 
@@ -60,6 +68,8 @@ CANDIDATES = ["full", "word"] if hasattr(gw, "FULL_CHECK_EVERY") else ["before"]
 COMPILED = getattr(poll_server, "FAST", False)
 if COMPILED:
     CANDIDATES.append("compiled")
+    if hasattr(gw, "compiled_step"):
+        CANDIDATES += ["compiled_python_steps", "floor"]
 
 
 # Thread CPU ns and calls of the parts of a full check, on the listener's thread only.
@@ -132,11 +142,15 @@ def _one(
     every = getattr(gw, "FULL_CHECK_EVERY", None)
     if every is not None:
         gw.FULL_CHECK_EVERY = 0.0 if cand == "full" else every
+    stepped = getattr(gw, "compiled_step", None)
+    if cand == "compiled_python_steps":
+        gw.compiled_step = lambda *args, **kwargs: None
     gateway = gw.Gateway(targets)
+    route = _constant_route() if cand == "floor" else gateway.route(0)
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
-    options = {"compiled": cand == "compiled"} if COMPILED else {}
-    server = PollServer([(sock, gateway.route(0))], name="kvsidecar-gateway", **options)
+    options = {"compiled": cand not in ("word", "full")} if COMPILED else {}
+    server = PollServer([(sock, route)], name="kvsidecar-gateway", **options)
     server.start()
     counter = os.path.join(tmp, f"floor-{cand}")
     with open(counter, "wb") as f:
@@ -161,6 +175,8 @@ def _one(
         server.shutdown()
         if every is not None:
             gw.FULL_CHECK_EVERY = every
+        if stepped is not None:
+            gw.compiled_step = stepped
     polls = n1[0] - n0[0]
     return {
         "polls": polls,
@@ -170,9 +186,27 @@ def _one(
         "core_pct": 100 * (ns1 - ns0) / 1e9 / seconds,
         "full_check_share": (f1 - f0) / max(1, polls),
         "compiled_share": (k1 - k0) / max(1, polls),
-        "fresh_fraction": (n1[1] - n0[1]) / max(1, n1[2] - n0[2]),
+        # None where no answer says its step (the floor's constant answer).
+        "fresh_fraction": (n1[1] - n0[1]) / (n1[2] - n0[2]) if n1[2] > n0[2] else None,
         **parts,
     }
+
+
+def _constant_route() -> Callable[[str], tuple]:
+    """A route with one answer, kept current for ever in its slot: the compiled path's
+    floor (its word a constant 0 in a buffer of our own)."""
+    answer = (200, b"# TYPE floor gauge\nfloor 1.0\n", "text/plain; version=0.0.4", b"")
+    slot = poll_server.FastSlot()
+    slot.load, slot.mm, slot.off, slot.seq = _seqlock.kv_load_u64, bytearray(16), 0, 0
+    slot.until, slot.counts, slot.key = float("inf"), {"ok": 0}, "ok"
+    slot.answer = answer
+
+    def route(path: str) -> tuple:
+        slot.counts["ok"] += 1
+        return answer
+
+    route.fast_slot = slot  # type: ignore[attr-defined]
+    return route
 
 
 def _counts(path: str) -> tuple[int, ...]:

@@ -9,7 +9,8 @@ answered by a `Gateway` of that role.
 
 Fresh: the value served is the engine's latest published step when the request arrived,
 never a cached poll cycle. A poll whose rank was fully checked less than `FULL_CHECK_EVERY`
-ago (0.1 s) within the same poll cycle loads one word, the segment's published sequence:
+ago (0.1 s), with no poll cycle since that changed who claims the rank
+(`targets.Claims`), loads one word, the segment's published sequence:
 unchanged, the answer built at that check is served again as it was (its bytes included,
 see `kvsidecar.web.poll_server`); older, the poll reads that rank's segment under the
 target's own lock with every check the poller makes (trust, budgets, identity, liveness,
@@ -21,10 +22,16 @@ so seen within 0.1 s of its last step, a segment replaced under a writer still p
 within 0.1 s of the last probe, a new step at once. The poller's other targets and its
 directory scans are never waited for (the TargetSet lock is not taken).
 
+On the listener's compiled path a full check that answered 200 also leaves a compiled
+check of the next steps (`gateway_step`, `_gatewaystep.c`): a new step whose bytes differ
+from the checked ones only in counts and counters, or a quiet engine's heartbeat past the
+window, is answered in C with the full check's probes every 0.1 s and its progress bound;
+anything else is declined to the full check above.
+
 A poll's cost is bounded whatever the directory holds: which segments claim a rank, and
-whether two of them are up (ambiguous), is decided once per poll cycle from the poller's
-own views; a poll then reads at most one segment (64 segments claiming one rank made each
-poll read all 64).
+whether two of them are up (ambiguous), is decided from the poller's own views once per
+poll cycle that changed them; a poll then reads at most one segment (64 segments claiming
+one rank made each poll read all 64).
 
 A rank that is not up (stale, dead, closed, corrupt, refused, shed, not found, or claimed by
 two live segments) is answered 503 with the reason on one line: a picker treats a non-200 as
@@ -48,6 +55,7 @@ from typing import TYPE_CHECKING
 
 from kvsidecar.daemon.config import GatewayOptions
 from kvsidecar.daemon.gateway_body import CONTENT_TYPE, timeless
+from kvsidecar.daemon.gateway_step import STEP_HEADER, compiled_step
 from kvsidecar.daemon.gateway_template import Templates
 from kvsidecar.daemon.target import Target
 from kvsidecar.daemon.targets import TargetSet
@@ -55,7 +63,7 @@ from kvsidecar.protocol import _seqlock
 from kvsidecar.protocol.layout import OFF_PUBLISHED_SEQ
 from kvsidecar.protocol.reader import Reading
 from kvsidecar.settings import GATEWAY_LISTEN_ADDRESS, GATEWAY_STALE_AFTER
-from kvsidecar.web.poll_server import FastSlot, PollServer, Route
+from kvsidecar.web.poll_server import FastSlot, PollServer, Route, response_start
 from kvsidecar.web.sockets import bind
 
 if TYPE_CHECKING:
@@ -95,7 +103,7 @@ Answer = tuple[int, bytes, str, bytes]
 @dataclass(frozen=True)
 class _Checked:
     """A rank's last full check that answered 200: re-served while the segment's
-    published sequence is still `seq`, within the poll cycle `version`, until `until`;
+    published sequence is still `seq`, the claims still at `version`, until `until`;
     a moved sequence is checked without the probes until `probed_until` (the end of the
     window of the last check that probed the writer and the file)."""
 
@@ -133,10 +141,11 @@ class Gateway:
         # Per segment: the body of its last (incarnation, seq), while no age is in it.
         self._bodies: dict[str, tuple[tuple[int, int], bytes]] = {}
         self._templates = Templates()  # each identity's text: a new step formats numbers
+        self._start = response_start(200, CONTENT_TYPE)  # a 200's bytes before its length
         self._checked: dict[int, _Checked] = {}  # per rank
         # Per rank, the same check for the listener's compiled path (poll_server.FastSlot).
         self._slots: dict[int, FastSlot] = {}
-        self._ambiguous: dict[int, str] = {}  # per rank, this poll cycle: who claims it
+        self._ambiguous: dict[int, str] = {}  # per rank, as the claims stand: who claims it
         self.full_checks = 0  # polls that read a segment (the others loaded one word)
         self.segment_reads = 0  # segments read by those (at most one each)
 
@@ -155,14 +164,14 @@ class Gateway:
         if slot is None:
             slot = self._slots[dp_rank] = FastSlot()
             slot.load, slot.off = _seqlock.kv_load_u64, OFF_PUBLISHED_SEQ
-            slot.epoch, slot.counts, slot.key = self.targets, self.answers, (dp_rank, OK)
+            slot.epoch, slot.counts, slot.key = self.targets.claims, self.answers, (dp_rank, OK)
         return slot
 
     def _keep(self, dp_rank: int, checked: _Checked | None) -> None:
         """The rank's last full check that answered 200 (None: none to re-serve), for
         both paths: `_checked` here, and the rank's slot for the compiled one."""
         slot = self._slot(dp_rank)
-        slot.answer = slot.out = None
+        slot.answer = slot.out = slot.advance = None
         if checked is None:
             self._checked.pop(dp_rank, None)
             return
@@ -181,7 +190,7 @@ class Gateway:
         moved: _Checked | None = None  # a window whose writer moved its word: probed already
         if (
             checked is not None
-            and checked.version == self.targets.version
+            and checked.version == self.targets.claims.version
             and time.monotonic() < checked.until
         ):
             seq = self._published_seq(checked.mm)
@@ -243,7 +252,7 @@ class Gateway:
         The re-serve window (`until`) starts at each check, probed or not, as a step
         is seen: a writer gone after its last step is seen when it ends, as before."""
         self.full_checks += 1
-        version = self.targets.version
+        version = self.targets.claims.version
         candidates = self._candidates(dp_rank)
         if not candidates:
             who = f"dp_rank {dp_rank}" + (f" with role {self.role}" if self.role else "")
@@ -273,7 +282,7 @@ class Gateway:
                 )
                 return "not_fresh", (503, why.encode(), _TEXT, b"")
             # Which step was served, for whoever checks freshness (the body stays lean).
-            step = b"Kvsidecar-Step: %d\r\n" % last.snapshot.runtime.step
+            step = b"%s%d\r\n" % (STEP_HEADER, last.snapshot.runtime.step)
             body, timeless_body = self._body(view.name, last, view.clock_offset_ns)
             answer = (200, body, CONTENT_TYPE, step)
             mm = target.reader.mm if target.reader.mm is mm else None
@@ -285,6 +294,17 @@ class Gateway:
                 if moved is not None and moved.mm is mm:
                     probed = min(probed, moved.probed_until)  # never extended
                 self._keep(dp_rank, _Checked(version, mm, last.seq, until, answer, probed))
+                # The next steps answered in C while only counts move (gateway_step).
+                self._slot(dp_rank).advance = compiled_step(
+                    target,
+                    last,
+                    self._templates,
+                    self._start,
+                    every=FULL_CHECK_EVERY,
+                    stale_after=self.stale_after,
+                    probed_until=probed,
+                    progress=now - still,
+                )
             return OK, answer
         why = f"{view.name}: {view.state}: {view.error or 'not up'}\n"
         return "not_up", (503, why.encode(), _TEXT, b"")
@@ -308,9 +328,9 @@ class Gateway:
 
     def _candidates(self, dp_rank: int) -> list[Target]:
         """The targets whose latest identity says this rank, those up first, and whether
-        two are up (ambiguous); decided once per poll cycle, from the poller's own views
-        (identity can change only with a new snapshot, which a poll brings)."""
-        version = self.targets.version
+        two are up (ambiguous); decided once per change of the claims, from the poller's
+        own views (identity can change only with a new snapshot, which a poll brings)."""
+        version = self.targets.claims.version
         if version != self._version:
             by_rank: dict[int, list[Target]] = {}
             for t in list(self.targets.targets.values()):

@@ -23,6 +23,7 @@ _IDENTITY = operator.attrgetter(
     "engine", "model_name", "role", "dp_rank", "dp_size", "tp_rank", "pp_rank"
 )
 _KEPT = 256  # identities and sizes kept (a rank's are one or two): never grows without bound
+WAITING, RUNNING, USAGE = 0, 1, 2  # the moving numbers' codes in `Templates.parts`
 
 
 class _Heads:
@@ -56,9 +57,8 @@ class Templates:
     def __init__(self) -> None:
         self._heads: dict[tuple, _Heads] = {}
 
-    def render(self, snapshot: Snapshot, now_mono_ns: int) -> bytes:
-        rt = snapshot.runtime
-        ident = _IDENTITY(rt)
+    def _kept(self, snapshot: Snapshot) -> _Heads:
+        ident = _IDENTITY(snapshot.runtime)
         # Values that compare equal may print differently (1 == 1.0 == True): the types
         # are part of the key, or one's kept text would be served for the other.
         key = (ident, tuple(map(type, ident)))
@@ -67,17 +67,45 @@ class Templates:
             if len(self._heads) >= _KEPT:
                 self._heads.clear()
             heads = self._heads[key] = _Heads(snapshot)
+        return heads
+
+    def render(self, snapshot: Snapshot, now_mono_ns: int) -> bytes:
+        return "".join(self._text(snapshot, now_mono_ns, None)).encode()
+
+    def parts(self, snapshot: Snapshot) -> tuple[bytes | int, ...]:
+        """The body of a timeless snapshot (`gateway_body.timeless`) as kept text and the
+        codes of its three moving numbers (`WAITING`, `RUNNING`, `USAGE`), for the
+        compiled new-step answer (gateway_step): joined with the numbers formatted, it is
+        `render`'s body."""
+        text = self._text(snapshot, 0, (WAITING, RUNNING, USAGE))
+        parts: list[bytes | int] = []
+        run: list[str] = []
+        for t in text:
+            if isinstance(t, int):
+                parts += (("".join(run)).encode(), t)
+                run = []
+            else:
+                run.append(t)
+        parts.append("".join(run).encode())
+        return tuple(p for p in parts if p != b"")
+
+    def _text(
+        self, snapshot: Snapshot, now_mono_ns: int, codes: tuple[int, int, int] | None
+    ) -> list:
+        """The body's pieces; with `codes`, the three moving numbers as those codes."""
+        rt = snapshot.runtime
+        heads = self._kept(snapshot)
         names = heads.names
-        out: list[str] = []
+        out: list = []
         if rt.requests_waiting is not None:
-            out += (heads.waiting, gb._number(rt.requests_waiting), "\n")
+            out += (heads.waiting, codes[0] if codes else gb._number(rt.requests_waiting), "\n")
         if rt.requests_running is not None:
-            out += (heads.running, gb._number(rt.requests_running), "\n")
+            out += (heads.running, codes[1] if codes else gb._number(rt.requests_running), "\n")
         pools = snapshot.pools
         sized = gb._sized(pools)
         usage = gb._usage(sized, names)
         if usage is not None:
-            out += (heads.usage, gb._number(usage), "\n")
+            out += (heads.usage, codes[2] if codes else gb._number(usage), "\n")
         if sized and sized[0].block_size_tokens:
             # Kept by their printed text, not their value: 120000 == 120000.0 but the
             # label reads differently (and -0.0 == 0.0).
@@ -93,7 +121,7 @@ class Templates:
             out += (_HELD_BLOCKS, gb._number(blocks), "\n")
         if age is not None:
             out += (_HELD_AGE, gb._number(age), "\n")
-        return "".join(out).encode()
+        return out
 
 
 def _info(snapshot: Snapshot, names: gb.EngineNames, sizes: tuple[str, str]) -> str:

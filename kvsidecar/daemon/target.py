@@ -204,6 +204,9 @@ class Target:
         self._beat: tuple[int, int, int] | None = None
         self._beat_seen = 0
         self._checked: tuple[int, int] | None = None  # (incarnation, seq) of v.last's snapshot
+        # (incarnation, seq, header, payload) of the last snapshot checked with nothing
+        # rejected (None: the last one had a value rejected, or was read field by field).
+        self.fast_base: tuple[int, int, bytes, bytes] | None = None
 
     @property
     def cost(self) -> int:
@@ -360,6 +363,11 @@ class Target:
             if snapshot is not result.snapshot:
                 result = msgspec.structs.replace(result, snapshot=snapshot)
                 self._cost_of = snapshot
+            # Checked and kept as read (no value rejected): its bytes, for the gateway's
+            # compiled check of the next step (gateway_step).
+            raw = reader.last_bytes
+            whole = not rejected and raw is not None and raw[0] == result.seq
+            self.fast_base = (result.incarnation, *raw) if whole else None
         if state_byte(reader) == layout.STATE_FAULTED:
             # The engine's own fatal-error path said so: dead now, though its process may
             # still hold the lock while it is torn down, and dead after, whoever stops it.

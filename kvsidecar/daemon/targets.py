@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Iterable
 
 from kvsidecar.daemon.admission import Admission
 from kvsidecar.daemon.budget import Budget, over_total
@@ -18,6 +19,27 @@ from kvsidecar.daemon.config import Discovery, Polling, Tuning
 from kvsidecar.daemon.refusals import Refusals
 from kvsidecar.daemon.scan import Scan
 from kvsidecar.daemon.target import OVER_BUDGET, NameThrottle, Target, TargetView
+
+
+class Claims:
+    """Which targets claim which rank, as of the last poll cycle: `version` moves only when
+    that changes, so what a gateway decided from it (a rank's one candidate, or that two
+    claim it) stays valid across cycles that changed nothing (every 0.25 s otherwise)."""
+
+    def __init__(self) -> None:
+        self.version = 0
+        self._key: tuple = ()
+
+    def update(self, targets: Iterable[Target]) -> None:
+        key = []
+        for t in targets:
+            last = t.view.last
+            if last is not None:
+                rt = last.snapshot.runtime
+                key.append((t, t.shown, t.view.up, bool(t.shed), rt.role, rt.dp_rank))
+        if tuple(key) != self._key:
+            self._key = tuple(key)
+            self.version += 1
 
 
 class TargetSet:
@@ -58,6 +80,9 @@ class TargetSet:
             note=self._note,
         )
         self.version = 0  # bumped on every poll cycle: invalidates rendered output
+        # Bumped on a poll cycle that changed who claims which rank (gateway.py's
+        # candidates: each target's role, rank, and whether it is shown, up or shed).
+        self.claims = Claims()
         self.last_poll_mono_ns = 0
         self.last_poll_duration_s = 0.0
         self.polls_total = 0
@@ -162,6 +187,7 @@ class TargetSet:
                 self.refusals.refuse(name, "vanished")
         self._admit()
         self._apply_total_budget()
+        self.claims.update(self.targets.values())
         self.version += 1
         self.polls_total += 1
         self.last_poll_mono_ns = time.monotonic_ns()

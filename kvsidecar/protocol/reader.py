@@ -230,6 +230,7 @@ class SegmentReader(MappedFile):
         # field this reader knows, the usual case, where the typed decode reads no other.
         self._named: tuple[int, int] | None = None
         self._decoder = msgspec.msgpack.Decoder(Snapshot)
+        self.last_bytes: tuple[int, bytes, bytes] | None = None  # (seq, header, payload)
 
     # -- attach -----------------------------------------------------------------
 
@@ -324,6 +325,9 @@ class SegmentReader(MappedFile):
             complete = False  # a value of the wrong type
         except msgspec.DecodeError as e:
             return Corrupt(f"segment {self.path}: payload does not decode ({_one_line(e)})")
+        # The bytes of a snapshot read whole by the typed decode: what a compiled check of
+        # the next step compares against (kvsidecar.daemon.gateway_step).
+        self.last_bytes = (seq, raw, payload) if complete else None
         if not complete:
             # Only the wrong or missing value is null (schema.md, "Values"), unless it is
             # an identity field.

@@ -12,7 +12,10 @@
  * the GIL released, and serves in C every ready connection whose bytes are exactly its
  * fast head and whose slot is current: one recv, one compare, one load of the word, one
  * send, the same counts as the Python path (the connection's `served` and `progress`, the
- * server's `requests`, the slot's `counts[key]`). Everything else is handed back, as
+ * server's `requests`, the slot's `counts[key]`). A slot whose word moved, or whose
+ * deadline passed, may still be served: its owner's `advance(now)` (compiled too:
+ * kvsidecar/daemon/_gatewaystep.c for the gateway) checks the state now and hands back the
+ * new bytes, sequence and deadline, or None. Everything else is handed back, as
  * (fd, events, bytes received or None, answer bytes not yet sent or None), to the Python
  * path, which decides it as before: new or different heads, pipelining, parse errors,
  * a stale slot, EOF and errors, a partial send, listeners, the wake socket.
@@ -47,8 +50,10 @@ typedef struct {
     PyObject *version;
     PyObject *counts;  /* a dict: counts[key] += 1 for each answer served here */
     PyObject *key;
+    PyObject *advance; /* advance(now) -> (out, seq, until) | None, for a moved word */
     double until;      /* CLOCK_MONOTONIC seconds (time.monotonic()): served before it */
     unsigned long long served; /* answers served by wait() from this slot */
+    unsigned long long advanced; /* of which built by `advance` for a new word */
 } Slot;
 
 static PyObject *one_int; /* 1 */
@@ -73,6 +78,7 @@ static int slot_traverse(Slot *s, visitproc visit, void *arg) {
     Py_VISIT(s->version);
     Py_VISIT(s->counts);
     Py_VISIT(s->key);
+    Py_VISIT(s->advance);
     return 0;
 }
 
@@ -87,6 +93,7 @@ static int slot_clear(Slot *s) {
     Py_CLEAR(s->version);
     Py_CLEAR(s->counts);
     Py_CLEAR(s->key);
+    Py_CLEAR(s->advance);
     return 0;
 }
 
@@ -107,6 +114,8 @@ static PyMemberDef slot_members[] = {
     {"version", T_OBJECT, offsetof(Slot, version), 0, NULL},
     {"counts", T_OBJECT, offsetof(Slot, counts), 0, NULL},
     {"key", T_OBJECT, offsetof(Slot, key), 0, NULL},
+    {"advance", T_OBJECT, offsetof(Slot, advance), 0, NULL},
+    {"advanced", T_ULONGLONG, offsetof(Slot, advanced), 0, NULL},
     {"until", T_DOUBLE, offsetof(Slot, until), 0, NULL},
     {"served", T_ULONGLONG, offsetof(Slot, served), 0, NULL},
     {NULL, 0, 0, 0, NULL},
@@ -132,11 +141,42 @@ static int equal(PyObject *a, PyObject *b) {
     return eq == 1;
 }
 
+/* The slot's bytes for a moved word, from its owner's `advance`: 1 when it built them
+ * (out, seq and until replaced), 0 when it declined or failed (the Python path decides). */
+static int slot_advance(Slot *s, double now) {
+    PyObject *t = PyFloat_FromDouble(now);
+    if (t == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    PyObject *r = PyObject_CallOneArg(s->advance, t);
+    Py_DECREF(t);
+    if (r == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    int ok = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 3 && PyBytes_Check(PyTuple_GET_ITEM(r, 0));
+    double until = ok ? PyFloat_AsDouble(PyTuple_GET_ITEM(r, 2)) : 0.0;
+    if (ok && until == -1.0 && PyErr_Occurred()) {
+        PyErr_Clear();
+        ok = 0;
+    }
+    if (ok) {
+        Py_SETREF(s->out, Py_NewRef(PyTuple_GET_ITEM(r, 0)));
+        Py_SETREF(s->seq, Py_NewRef(PyTuple_GET_ITEM(r, 1)));
+        s->until = until;
+        s->advanced++;
+    }
+    Py_DECREF(r);
+    return ok;
+}
+
 /* Whether the slot's bytes may be served now: built, before the deadline, the same poll
- * cycle, the word unchanged (a closed or re-attached map raises in load: not current). */
+ * cycle, the word unchanged (a closed or re-attached map raises in load: not current).
+ * A word that moved, or a deadline passed, is offered to the slot's `advance` (its owner's
+ * compiled check of the state now; None: the Python path decides). */
 static int slot_current(Slot *s, double now) {
     if (!is_set(s->answer) || !is_set(s->out) || !PyBytes_Check(s->out)) return 0;
-    if (!(now < s->until)) return 0;
     if (!is_set(s->load) || !is_set(s->mm) || !is_set(s->off) || !is_set(s->seq)) return 0;
     if (is_set(s->epoch)) {
         PyObject *v = PyObject_GetAttr(s->epoch, s_version);
@@ -156,7 +196,8 @@ static int slot_current(Slot *s, double now) {
     }
     int eq = equal(word, s->seq);
     Py_DECREF(word);
-    return eq;
+    if (eq && now < s->until) return 1;
+    return is_set(s->advance) && slot_advance(s, now);
 }
 
 /* d[key] += 1 for a key already there (a new key would change the dict's size under a

@@ -68,7 +68,7 @@ except ImportError:  # not built (no compiler): every poll takes the Python path
 if TYPE_CHECKING:
     from kvsidecar.web.poll_tls import PollTLS
 
-__all__ = ["FAST", "MAX_HEAD", "FastSlot", "PollServer", "Route"]
+__all__ = ["FAST", "MAX_HEAD", "FastSlot", "PollServer", "Route", "response_start"]
 
 log = logging.getLogger(__name__)
 
@@ -97,11 +97,24 @@ _REASONS = {
 }
 
 
+def response_start(status: int, ctype: str, close: bool = False) -> bytes:
+    """A response's bytes up to its Content-Length value: after them come the length,
+    CRLF, the route's extra header lines, CRLF and the body."""
+    return (
+        f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
+        f"Content-Type: {ctype}\r\n"
+        + ("Connection: close\r\n" if close else "")
+        + "Content-Length: "
+    ).encode("latin-1")
+
+
 class _PySlot:
     """`FastSlot` where the extension is not built: filled by the route's owner, never
     served from (the Python path re-sends its bytes by the answer's identity)."""
 
     __slots__ = (
+        "advance",
+        "advanced",
         "answer",
         "counts",
         "epoch",
@@ -119,7 +132,7 @@ class _PySlot:
     def __init__(self) -> None:
         for name in self.__slots__:
             setattr(self, name, None)
-        self.until, self.served = 0.0, 0
+        self.until, self.served, self.advanced = 0.0, 0, 0
 
 
 # One route's answer and what keeps it current: `answer` (the tuple the route hands back),
@@ -513,12 +526,7 @@ class PollServer:
         key = (status, ctype, close)
         start = self._heads.get(key)
         if start is None:
-            start = (
-                f"HTTP/1.1 {status} {_REASONS.get(status, 'Error')}\r\n"
-                f"Content-Type: {ctype}\r\n"
-                + ("Connection: close\r\n" if close else "")
-                + "Content-Length: "
-            ).encode("latin-1")
+            start = response_start(status, ctype, close)
             if len(self._heads) < 64:
                 self._heads[key] = start
         head = b"%s%d\r\n%s\r\n" % (start, len(body), extra)
