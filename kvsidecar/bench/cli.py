@@ -604,12 +604,18 @@ def scrapeflood_cmd(quick: bool, out: str, scrapers: int) -> None:
     help="The idle connections come from the prober's own address (127.0.0.1).",
 )  # fmt: skip
 @click.option("--probes", type=int, default=4, show_default=True)
-def fdlimit_cmd(quick: bool, out: str, same_address: bool, probes: int) -> None:
+@click.option(
+    "--first-byte", is_flag=True,
+    help="Each idle connection sends one byte of a head, then nothing (past TCP_DEFER_ACCEPT).",
+)  # fmt: skip
+def fdlimit_cmd(quick: bool, out: str, same_address: bool, probes: int, first_byte: bool) -> None:
     """Probes and a new engine beside 256 segments + 1,000 idle connections, 1,024 files (#24)."""
     hostile_fds = checkout.load("hostile_fds")
 
-    r = hostile_fds.run_fdlimit(quick=quick, probes=probes, same_address=same_address)
+    extra = {"first_byte": True} if first_byte else {}
+    r = hostile_fds.run_fdlimit(quick=quick, probes=probes, same_address=same_address, **extra)
     where = "the prober's own address" if same_address else "another address"
+    where += ", one byte each" if first_byte else ""
     ms = r["probe_ms"] if len(r["probe_ms"]) <= 8 else [r["probe_p99_ms"]]
     report.print_table(
         f"fdlimit: prlimit --nofile={r['fd_limit']}:{r['fd_limit']}, {r['segments']} segments, "
@@ -622,7 +628,8 @@ def fdlimit_cmd(quick: bool, out: str, same_address: bool, probes: int) -> None:
           f"yes, {r['new_engine_served_after_s']:.1f} s" if r["new_engine_served"] else "NO",
           r["daemon_fds"]]],
     )  # fmt: skip
-    report.write_json(out, "fdlimit-same-address" if same_address else "fdlimit", r)
+    name = "fdlimit-same-address" if same_address else "fdlimit"
+    report.write_json(out, name + ("-first-byte" if first_byte else ""), r)
 
 
 @bench.command(name="tlsidle")

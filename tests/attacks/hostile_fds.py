@@ -210,12 +210,13 @@ def accept_queue(port: int) -> int:
 
 
 def run_fdlimit(
-    *, quick: bool = False, probes: int = 4, same_address: bool = False
+    *, quick: bool = False, probes: int = 4, same_address: bool = False, first_byte: bool = False
 ) -> dict[str, Any]:
     """Probes answered and a new engine served beside 256 segments and 1,000 idle
     connections under a hard limit of 1,024 open files; ``same_address``: the idle
     connections come from the prober's own address, 127.0.0.1 (a kubelet shares the
-    node's address with every hostNetwork pod)."""
+    node's address with every hostNetwork pod); ``first_byte``: each sends the first
+    byte of a head, then nothing (the kernel's accept deferral lets it through at once)."""
     _raise_nofile(IDLE_CONNECTIONS + 256)
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-fdlimit-", dir="/dev/shm")
     names = [segment_name(i) for i in range(SEGMENTS)]
@@ -233,7 +234,8 @@ def run_fdlimit(
                 time.sleep(0.2)
             followed = up_count(port)
             source = "127.0.0.1" if same_address else ATTACK_ADDRESS
-            attack = IdleClients(port, IDLE_CONNECTIONS, source=source).start()
+            opening = _send(b"G") if first_byte else None
+            attack = IdleClients(port, IDLE_CONNECTIONS, opening, source=source).start()
             time.sleep(3.0)  # every idle client connected (or refused)
             samples, queued = [], []
             reopened0, t_attack = attack.reopened, time.monotonic()
@@ -263,6 +265,7 @@ def run_fdlimit(
         "segments_served_before_attack": followed,
         "idle_connections": IDLE_CONNECTIONS,
         "idle_from": source,
+        "idle_first_byte": first_byte,
         "idle_open_client_side": idle_open,
         "idle_reopened": reopened,
         "probes": len(samples),
