@@ -82,6 +82,14 @@ class Rows:
         base = (i * self.stride + kvl.SLOT_FIXED) // 4
         return self._u32[base : base + self.keys[i][0]].tolist()
 
+    def subset(self, keep: Sequence[int], block_size: int) -> Rows:
+        """The rows ``keep`` (indexes, in order) alone."""
+        if len(keep) == self.n:
+            return self
+        stride = self.stride
+        data = b"".join(self.data[i * stride : (i + 1) * stride] for i in keep)
+        return Rows(data, stride, block_size)
+
 
 class StoredEncoder:
     """Encodes one-block ``BlockStored`` events (as `kv_events_zmq.stored_event` makes
@@ -370,18 +378,19 @@ def batches(
     columns: Columns,
     drop: Callable[[int], None] | None = None,
     signed: bool = False,
+    cleared: bool = True,
 ) -> Iterator[list[bytes]]:
-    """CLEARED + a BlockStored per row of ``columns``, parents first, in batches of at
-    most BATCH_EVENTS events and BATCH_BYTES bytes (`cut`), each batch encoded when it
-    is asked for: the events of one batch exist at a time. Each slot is read again; one
-    whose version is no longer the one scanned (its data gone: its change is in the
-    ring) is left out, and ``drop(slot)`` told."""
+    """CLEARED (unless not ``cleared``) + a BlockStored per row of ``columns``, parents
+    first, in batches of at most BATCH_EVENTS events and BATCH_BYTES bytes (`cut`), each
+    batch encoded when it is asked for: the events of one batch exist at a time. Each
+    slot is read again; one whose version is no longer the one scanned (its data gone:
+    its change is in the ring) is left out, and ``drop(slot)`` told."""
     g = reader.geometry
     assert g is not None
     order = columns.order(reader)
     slots, versions = columns.slots, columns.versions
     encoder = StoredEncoder(reader, signed)
-    events, size = [CLEARED], BATCH_EVENTS
+    events, size = [CLEARED] if cleared else [], BATCH_EVENTS
     for a in range(0, len(order), size):
         raws = []
         for r in order[a : a + size]:

@@ -424,24 +424,43 @@ class RankPublisher:
             self._publish(events, encoded=True)
 
     def _resync_diff(self, reader: KVEventsReader) -> None:
-        """Overrun (the same writer): remove what is no longer cached, store what is new."""
+        """Overrun (the same writer): remove what is no longer cached, then store what is
+        new or re-stored, parents first. Bounded as the full state is: the table read a
+        chunk at a time (`kv_events_state.scan`), each chunk's removals published as they
+        fill a batch, the changed rows kept as columns (16 bytes a row) and their stores
+        encoded a batch at a time; nothing per cached block (a Python object per block,
+        the whole table at once, before)."""
         self._publish_held(reader)  # first: the diff starts from what was published
-        head, _epoch, blocks = reader.cached_blocks()
         state = self._state
         assert state is not None
-        now = {b.slot: b for b in blocks}
-        events: list[object] = []
-        for slot in range(state.n):
-            v = state.version[slot]
-            if v and (slot not in now or now[slot].version != v):
-                events.append(state.removal(slot))
-        for b in parents_first(blocks):
-            if state.version[b.slot] != b.version:
-                state.announce(b)
-                events.append(stored_event(reader, [b]))
+        g = reader.geometry
+        assert g is not None
+        removed: list[object] = []
+
+        def changed(first: int, end: int, rows: kv_events_state.Rows) -> kv_events_state.Rows:
+            now = dict(zip(rows.slots, rows.versions))
+            version = state.version
+            for slot in range(first, end):
+                v = version[slot]
+                if v and now.get(slot) != v:
+                    removed.append(state.removal(slot))
+            if len(removed) >= kv_events_state.BATCH_EVENTS:
+                self._publish(removed)
+                removed.clear()
+            keep = [i for i, (s, v) in enumerate(zip(rows.slots, rows.versions)) if version[s] != v]
+            rows = rows.subset(keep, g.block_size)
+            state.announce_rows(rows)
+            return rows
+
+        def drop(slot: int) -> None:  # re-stored since the scan: the ring says it
+            state.version[slot] = 0
+
+        head, columns = kv_events_state.scan(reader, changed)
+        self._publish(removed)
         self._next = head + 1
         self.stats["overruns"] += 1
-        self._publish(events)
+        for events in kv_events_state.batches(reader, columns, drop, self._signed, cleared=False):
+            self._publish(events, encoded=True)
 
     def _follow(self, reader: KVEventsReader) -> None:
         try:
