@@ -71,7 +71,7 @@ typedef struct {
     PyObject *start;    /* bytes: the status line, headers, "Content-Length: " */
     PyObject *step_head; /* bytes: "Kvsidecar-Step: " */
     PyObject *path;     /* bytes: the segment's path */
-    PyObject *s_mm, *s_fd; /* interned attribute names */
+    PyObject *read_args[3]; /* (mm, retries, -1): read_latest's, built once */
     unsigned long long rt_volatile, pool_volatile; /* field bitmasks */
     int f_step, f_running, f_waiting;            /* runtime field indices */
     int f_total, f_allocated, f_available;       /* pool field indices */
@@ -214,12 +214,13 @@ static int walk_record(const uint8_t **np, const uint8_t *nend, const uint8_t **
 
 /* --------------------------------- Step ---------------------------------- */
 
-static PyObject *s_round;
+static PyObject *s_round, *s_mm, *s_fd;
 
 static int step_traverse(Step *s, visitproc visit, void *arg) {
     Py_VISIT(s->read);
     Py_VISIT(s->reader);
     Py_VISIT(s->mm);
+    Py_VISIT(s->read_args[0]);
     return 0;
 }
 
@@ -235,8 +236,9 @@ static int step_clear(Step *s) {
     Py_CLEAR(s->start);
     Py_CLEAR(s->step_head);
     Py_CLEAR(s->path);
-    Py_CLEAR(s->s_mm);
-    Py_CLEAR(s->s_fd);
+    Py_CLEAR(s->read_args[0]);
+    Py_CLEAR(s->read_args[1]);
+    Py_CLEAR(s->read_args[2]);
     return 0;
 }
 
@@ -288,9 +290,10 @@ static int step_init(Step *s, PyObject *args, PyObject *kw) {
     s->start = Py_NewRef(start);
     s->step_head = Py_NewRef(step_head);
     s->path = Py_NewRef(path);
-    s->s_mm = PyUnicode_InternFromString("mm");
-    s->s_fd = PyUnicode_InternFromString("fd");
-    if (s->s_mm == NULL || s->s_fd == NULL) return -1;
+    s->read_args[0] = Py_NewRef(mm);
+    s->read_args[1] = PyLong_FromLong(s->retries);
+    s->read_args[2] = PyLong_FromLong(-1);
+    if (s->read_args[1] == NULL || s->read_args[2] == NULL) return -1;
     s->rt_volatile = rt_v;
     s->pool_volatile = pool_v;
     s->f_step = f[0];
@@ -308,7 +311,7 @@ static int step_init(Step *s, PyObject *args, PyObject *kw) {
 
 /* The reader still holds this map and descriptor (not re-attached, not closed). */
 static int still_held(Step *s) {
-    PyObject *mm = PyObject_GetAttr(s->reader, s->s_mm);
+    PyObject *mm = PyObject_GetAttr(s->reader, s_mm);
     if (mm == NULL) {
         PyErr_Clear();
         return 0;
@@ -316,7 +319,7 @@ static int still_held(Step *s) {
     int same = mm == s->mm;
     Py_DECREF(mm);
     if (!same) return 0;
-    PyObject *fd = PyObject_GetAttr(s->reader, s->s_fd);
+    PyObject *fd = PyObject_GetAttr(s->reader, s_fd);
     if (fd == NULL) {
         PyErr_Clear();
         return 0;
@@ -491,12 +494,7 @@ static PyObject *step_call(Step *s, PyObject *args, PyObject *kw) {
         if (!probes_pass(s)) Py_RETURN_NONE;
         s->probed = now + s->every;
     }
-    PyObject *a[3] = {s->mm, NULL, NULL};
-    a[1] = PyLong_FromLong(s->retries);
-    a[2] = PyLong_FromLong(-1);
-    PyObject *r = a[1] && a[2] ? PyObject_Vectorcall(s->read, a, 3, NULL) : NULL;
-    Py_XDECREF(a[1]);
-    Py_XDECREF(a[2]);
+    PyObject *r = PyObject_Vectorcall(s->read, s->read_args, 3, NULL);
     if (r == NULL) { /* an unmapped or re-attached map: the Python path decides */
         PyErr_Clear();
         Py_RETURN_NONE;
@@ -571,6 +569,8 @@ static struct PyModuleDef module = {
 PyMODINIT_FUNC PyInit__gatewaystep(void) {
     if (PyType_Ready(&StepType) < 0) return NULL;
     if ((s_round = PyUnicode_InternFromString("__round__")) == NULL) return NULL;
+    if ((s_mm = PyUnicode_InternFromString("mm")) == NULL) return NULL;
+    if ((s_fd = PyUnicode_InternFromString("fd")) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
     if (PyModule_AddObjectRef(m, "Step", (PyObject *)&StepType) < 0) {

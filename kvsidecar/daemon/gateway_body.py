@@ -38,10 +38,14 @@ __all__ = [
     "HELD_AGE",
     "HELD_BLOCKS",
     "NAMES",
+    "USAGE_FREE",
+    "USAGE_FULLEST",
+    "USAGE_USED",
     "EngineNames",
     "engine_names",
     "render",
     "timeless",
+    "usage_kind",
 ]
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
@@ -160,19 +164,36 @@ def _sized(pools: list[KVCachePoolSnapshot]) -> list[KVCachePoolSnapshot]:
     return [p for p in pools if p.total_blocks and p.allocated_blocks is not None]
 
 
+# How a usage is computed (`usage_kind`): 1 - free / total, used / total, or the fullest
+# pool's used / capacity.
+USAGE_FREE, USAGE_USED, USAGE_FULLEST = "free", "used", "fullest"
+
+
+def usage_kind(sized: list[KVCachePoolSnapshot], names: EngineNames) -> str | None:
+    """Which formula `_usage` applies to these pools (None: no usage)."""
+    if not sized:
+        return None
+    if names.usage_digits is not None:
+        return USAGE_FULLEST
+    if names is not ATOM and all(p.available_blocks is not None for p in sized):
+        return USAGE_FREE
+    return USAGE_USED
+
+
 def _usage(sized: list[KVCachePoolSnapshot], names: EngineNames) -> float | None:
     """KV-cache usage computed as the engine computes it, to the last bit: vLLM's
     ``BlockPool.get_usage()`` is 1 - free / (num_gpu_blocks - 1), its free queue being our
     available_blocks (summed over the pools; num_gpu_blocks - 1 is their total_blocks);
     SGLang's the fullest pool's used / capacity, rounded to 2 decimals; ATOM's used / total
     blocks."""
-    if not sized:
+    kind = usage_kind(sized, names)
+    if kind is None:
         return None
-    if names.usage_digits is not None:
+    if kind == USAGE_FULLEST:
         usage = max(p.allocated_blocks / p.total_blocks for p in sized)
-        return round(_in_range(usage), names.usage_digits)
+        return round(_in_range(usage), names.usage_digits)  # type: ignore[arg-type]
     total = sum(p.total_blocks for p in sized)
-    if names is not ATOM and all(p.available_blocks is not None for p in sized):
+    if kind == USAGE_FREE:
         return _in_range(1.0 - sum(p.available_blocks for p in sized) / total)
     return _in_range(sum(p.allocated_blocks for p in sized) / total)
 

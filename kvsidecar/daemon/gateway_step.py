@@ -88,18 +88,17 @@ _FREE = bytearray(layout.HEADER_LEN)
 for _off in (layout.OFF_PUBLISHED_SEQ, layout.OFF_HEARTBEAT_MONO, layout.OFF_HEARTBEAT_WALL):
     _FREE[_off : _off + 8] = b"\x01" * 8
 _HEADER_FREE = bytes(_FREE)
-
-
-def _usage_kind(snapshot_pools: list, names: gb.EngineNames) -> int:
-    """How `gateway_body._usage` computes the usage of these pools (the same branches)."""
-    sized = gb._sized(snapshot_pools)
-    if not sized:
-        return _gatewaystep.USAGE_NONE
-    if names.usage_digits is not None:
-        return _gatewaystep.USAGE_FULLEST
-    if names is not gb.ATOM and all(p.available_blocks is not None for p in sized):
-        return _gatewaystep.USAGE_FREE
-    return _gatewaystep.USAGE_USED
+# gateway_body's usage formulas as the compiled check names them.
+_USAGE = (
+    {
+        None: _gatewaystep.USAGE_NONE,
+        gb.USAGE_FREE: _gatewaystep.USAGE_FREE,
+        gb.USAGE_USED: _gatewaystep.USAGE_USED,
+        gb.USAGE_FULLEST: _gatewaystep.USAGE_FULLEST,
+    }
+    if _gatewaystep is not None
+    else {}
+)
 
 
 def compiled_step(
@@ -134,8 +133,8 @@ def compiled_step(
         return None
     snapshot = last.snapshot
     names = gb.engine_names(snapshot.runtime.engine)
-    counted = {id(p) for p in gb._sized(snapshot.pools)}
-    sized = bytes(1 if id(p) in counted else 0 for p in snapshot.pools)
+    counted = gb._sized(snapshot.pools)
+    sized = bytes(1 if any(p is c for c in counted) else 0 for p in snapshot.pools)
     try:
         path = reader.path.encode()
     except Exception:  # an invalid name: the full check words it
@@ -155,7 +154,7 @@ def compiled_step(
         rt_volatile=_RT_MASK,
         pool_volatile=_POOL_MASK,
         fields=_FIELDS,
-        usage=_usage_kind(snapshot.pools, names),
+        usage=_USAGE[gb.usage_kind(counted, names)],
         usage_digits=-1 if names.usage_digits is None else names.usage_digits,
         retries=reader.retries,
         fd=reader.fd,

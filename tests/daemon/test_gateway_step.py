@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import socket
 import time
+import types
 
 import msgspec
 import pytest
@@ -24,7 +25,7 @@ from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.gateway import Gateway
 from kvsidecar.daemon.gateway_body import CONTENT_TYPE
 from kvsidecar.daemon.targets import TargetSet
-from kvsidecar.protocol import _seqlock, layout
+from kvsidecar.protocol import _seqlock
 from kvsidecar.protocol.schema import KVCachePoolSnapshot, RuntimeSnapshot, Snapshot
 from kvsidecar.protocol.writer import SegmentWriter
 from kvsidecar.web import poll_server
@@ -221,50 +222,30 @@ def test_a_retry_under_a_lapping_writer_is_declined(shm, monkeypatch):
             status, seq, header, payload, _ = _seqlock.read_latest(mm, retries, fd)
             return status, seq, header, payload, 2
 
-        args = _step_args(rank, read=lapped)
-        assert gateway_step._gatewaystep.Step(**args)(time.monotonic()) is None
-        assert gateway_step._gatewaystep.Step(**_step_args(rank))(time.monotonic()) is not None
+        with monkeypatch.context() as m:
+            m.setattr(gateway_step, "_seqlock", types.SimpleNamespace(read_latest=lapped))
+            assert _compiled(rank)(time.monotonic()) is None
+        assert _compiled(rank)(time.monotonic()) is not None
     finally:
         rank.close()
 
 
-def _step_args(rank: Rank, **override) -> dict:
-    """The arguments `compiled_step` gave the rank's Step, with some replaced."""
+def _compiled(rank: Rank, **kw: float):
+    """`compiled_step` for the rank's last full check, its probes due at once, the
+    gateway's bound an hour (each overridable: stale_after, probed_until, progress)."""
     target = rank.targets.targets[NAME]
-    reader = target.reader
-    base = target.fast_base
-    snapshot = target.view.last.snapshot
-    args = dict(
-        read=_seqlock.read_latest,
-        reader=reader,
-        mm=reader.mm,
-        header=base[2],
-        free=gateway_step._HEADER_FREE,
-        payload=base[3],
-        sized=b"\x01",
-        parts=rank.gateway._templates.parts(snapshot),
-        start=response_start(200, CONTENT_TYPE),
-        step_head=gateway_step.STEP_HEADER,
-        path=reader.path.encode(),
-        rt_volatile=gateway_step._RT_MASK,
-        pool_volatile=gateway_step._POOL_MASK,
-        fields=gateway_step._FIELDS,
-        usage=gateway_step._gatewaystep.USAGE_FREE,
-        usage_digits=-1,
-        retries=reader.retries,
-        fd=reader.fd,
-        inode=reader.inode,
-        size=len(reader.mm),
+    now = time.monotonic()
+    options = {"stale_after": 3600.0, "probed_until": 0.0, "progress": now} | kw
+    step = gateway_step.compiled_step(
+        target,
+        target.view.last,
+        rank.gateway._templates,
+        response_start(200, CONTENT_TYPE),
         every=0.1,
-        stale_after=3600.0,
-        probed=0.0,
-        progress=time.monotonic(),
-        seq=0,
-        beat=0,
-        beat_off=layout.OFF_HEARTBEAT_MONO,
+        **options,
     )
-    args.update(override)
-    return args
+    assert step is not None
+    return step
 
 
 # -- the probes it makes in place of the full check's -------------------------------
@@ -435,11 +416,7 @@ def _quiet(shm: str, stale_after: float) -> tuple[Rank, object, float]:
     """A rank whose Step is given the clock: (rank, step, its check's time)."""
     rank = Rank(shm, _base())
     t0 = time.monotonic()
-    last = rank.targets.targets[NAME].view.last
-    seen = dict(seq=last.seq, beat=last.heartbeat_mono_ns)
-    step = gateway_step._gatewaystep.Step(
-        **_step_args(rank, stale_after=stale_after, progress=t0, probed=t0 + 3600, **seen)
-    )
+    step = _compiled(rank, stale_after=stale_after, progress=t0, probed_until=t0 + 3600)
     return rank, step, t0
 
 
