@@ -200,11 +200,19 @@ def test_a_change_the_full_check_judges_is_declined(shm, what):
         rank.close()
 
 
-def test_a_faulted_or_closed_state_byte_is_declined(shm):
+@pytest.mark.parametrize("end", ["faulted", "closed"])
+def test_a_faulted_or_closed_state_byte_is_declined(shm, end):
+    """The engine's fatal-error path (FAULTED) or its clean shutdown (CLOSED, the file
+    left in place) after a new step: declined by the header's state byte alone (the
+    probes not due), and the full check answers 503."""
     rank = Rank(shm, _base())
     try:
         rank.writer.publish(_base(2))
-        rank.writer.mark_faulted()
+        if end == "faulted":
+            rank.writer.mark_faulted()
+        else:
+            rank.writer.close(unlink=False)
+        rank.step.probed = time.monotonic() + 3600
         assert rank.compiled() is None
         assert rank.full_check().startswith(b"HTTP/1.1 503")
     finally:
