@@ -281,6 +281,16 @@ KV_EVENTS_BUFFER_STEPS = _s(
     DAEMON,
     flag="--kv-events.buffer-steps",
 )
+KV_EVENTS_MEMORY_BYTES = _s(
+    "KV_EVENTS_MEMORY_BYTES",
+    "int",
+    13 * 1024 * 1024,
+    "what the KV-event publishers may take of the daemon's memory, all segments together "
+    "(6 MiB + 80 bytes a slot each; a segment over what is left is not published): one "
+    "segment of up to 91,750 slots by default; raise it with the memory limit",
+    DAEMON,
+    flag="--kv-events.memory-bytes",
+)
 KV_EVENTS_POLL_INTERVAL = _s(
     "KV_EVENTS_POLL_INTERVAL",
     "float",

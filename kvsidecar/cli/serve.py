@@ -273,6 +273,20 @@ def _telemetry_path(value: str) -> str:
     help="Batches kept per DP rank for replay.",
 )
 @click.option(
+    "--kv-events.memory-bytes",
+    "kv_events_memory_bytes",
+    type=click.IntRange(0),
+    envvar=settings.KV_EVENTS_MEMORY_BYTES.name,
+    default=settings.KV_EVENTS_MEMORY_BYTES.default,
+    show_default=True,
+    help=(
+        "What the KV-event publishers may take of the daemon's memory, all segments together "
+        "(6 MiB + 80 bytes a slot each; a segment over what is left is not published, with "
+        "one line saying by how much): one segment of up to 91,750 slots by default. Raise "
+        "it with the container's memory limit (docs/kv-events.md#memory)."
+    ),
+)
+@click.option(
     "--kv-events.poll-interval",
     "kv_events_poll_interval",
     type=click.FloatRange(0.001, 10),

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvsidecar.daemon.refusals import MAX_REFUSED, RECHECK_PER_SCAN, SUMMARY_INTERVAL
-from kvsidecar.settings import GATEWAY_STALE_AFTER
+from kvsidecar.settings import GATEWAY_STALE_AFTER, KV_EVENTS_MEMORY_BYTES
 
 if TYPE_CHECKING:
     from kvsidecar.daemon.budget import Budget
@@ -100,6 +100,9 @@ class KVEventsOptions:
     buffer_steps: int = 10_000
     poll_interval: float = 0.01
     hwm: int = 100_000
+    # What the publishers may take of the daemon's memory, all segments together
+    # (kvsidecar/streams/kv_events_budget.py).
+    memory_bytes: int = KV_EVENTS_MEMORY_BYTES.default
 
 
 @dataclass(frozen=True)

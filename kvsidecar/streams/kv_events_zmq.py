@@ -38,6 +38,7 @@ from kvsidecar.protocol import kv_events_layout as kvl
 from kvsidecar.protocol.kv_events_reader import Block, KVEventsReader, Overrun, Record
 from kvsidecar.protocol.reader import ReadError
 from kvsidecar.streams import kv_events_state
+from kvsidecar.streams.kv_events_budget import MemoryBudget
 from kvsidecar.streams.kv_events_wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -87,6 +88,9 @@ STATE_WINDOW_BYTES = 1024 * 1024
 # net.ipv4.tcp_wmem's maximum (4 MiB), once per connection: 64 such clients took 173 MiB.
 SOCKET_SNDBUF = 64 * 1024
 WAITING = -2
+# A segment refused by the memory budget is looked at again this often (replaced, or a
+# share given back), not at every poll: attaching maps it.
+REFUSED_RETRY_S = 1.0
 
 
 def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
@@ -215,8 +219,13 @@ class RankPublisher:
         *,
         allowed_uids: frozenset[int] | None = None,
         clock: Callable[[], float] = time.time,
+        budget: MemoryBudget | None = None,
     ) -> None:
         self.name = name
+        # The daemon's publishers share one (kv_events_budget.py); alone, its own.
+        self.budget = budget if budget is not None else MemoryBudget(options.memory_bytes)
+        self._refused: str | None = None  # the last refusal logged
+        self._refused_at = -REFUSED_RETRY_S
         self.shm_dir = shm_dir
         self.options = options
         self.allowed_uids = allowed_uids
@@ -312,6 +321,8 @@ class RankPublisher:
             self._gone(str(e))
 
     def _attach(self) -> KVEventsReader | None:
+        if self._refused is not None and time.monotonic() - self._refused_at < REFUSED_RETRY_S:
+            return None
         reader = KVEventsReader(self.name, shm_dir=self.shm_dir, allowed_uids=self.allowed_uids)
         error = reader.attach()
         if error is not None:
@@ -321,11 +332,24 @@ class RankPublisher:
             return None
         header = reader.header
         assert header is not None
+        refusal = self.budget.reserve(self.name, header.n_slots)
+        if refusal is not None:  # nothing of it is held: not its state, not its share
+            reader.close()
+            self._state = None
+            self._refused_at = time.monotonic()
+            if refusal != self._refused:
+                log.warning("%s", refusal)
+            self._refused = self.error = refusal
+            return None
+        if self._refused is not None:
+            log.info("kv events %s: within --kv-events.memory-bytes now: published", self.name)
+            self._refused = self.error = None
         if self._pub is None:
             try:
                 self._bind(header.dp_rank)
             except zmq.ZMQError as e:  # the port is taken (another segment of this rank?)
                 reader.close()
+                self.budget.release(self.name)
                 self.error = f"cannot bind for dp_rank {header.dp_rank}: {e}"
                 log.warning("kv events %s: %s; not published", self.name, self.error)
                 self._stop.set()
@@ -742,6 +766,7 @@ class KVEventsService:
         self.allowed_uids = allowed_uids
         self.rediscover_interval = rediscover_interval
         self._ctx = zmq.Context()
+        self.budget = MemoryBudget(options.memory_bytes)
         self.publishers: dict[str, RankPublisher] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -754,7 +779,12 @@ class KVEventsService:
         for name in sorted(names):
             if name not in self.publishers:
                 pub = RankPublisher(
-                    name, self.shm_dir, self.options, self._ctx, allowed_uids=self.allowed_uids
+                    name,
+                    self.shm_dir,
+                    self.options,
+                    self._ctx,
+                    allowed_uids=self.allowed_uids,
+                    budget=self.budget,
                 )
                 self.publishers[name] = pub
                 pub.start()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -32,6 +33,7 @@ from kvsidecar.bench.fleet import free_port, start_daemon, stop_daemon
 from tests.attacks import hostile_writers as hw
 from tests.attacks import kv_events_memory as kvm
 from tests.attacks import worst_target as wt
+from tests.support.procs import wait_for
 
 MB = 1024 * 1024
 
@@ -63,6 +65,15 @@ class _AnonPeak(threading.Thread):
                 return
 
 
+def listening(port: int) -> bool:
+    """Something listens on the port (a connect from an ephemeral port equal to it would
+    reach the socket itself: TCP's simultaneous open)."""
+    with socket.socket() as s:
+        if s.connect_ex(("127.0.0.1", port)) != 0:
+            return False
+        return s.getsockname() != s.getpeername()
+
+
 def _never_reads(ctx: zmq.Context, kind: int, endpoint: str) -> zmq.Socket:
     s = ctx.socket(kind)
     s.setsockopt(zmq.RCVHWM, 1)
@@ -79,23 +90,35 @@ def run(
     replays: int = 32,
     settle: float = 10.0,
     early: bool = False,
+    segments: int = 1,
+    flags: tuple[str, ...] = (),
 ) -> dict[str, Any]:
     """``early``: the subscribers connect before the daemon starts, so the full state at
-    start is queued to them (up to PUB_QUEUE_MSGS messages each, the same bytes)."""
+    start is queued to them (up to PUB_QUEUE_MSGS messages each, the same bytes).
+    ``segments``: the blocks split over that many KV-event segments (DP ranks 0..n-1, each
+    published on its own ports: the subscribers and replay clients spread over them);
+    ``flags``: more ``kvsidecar serve`` flags."""
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-allreaders-", dir="/dev/shm")
     pools = wt.most_pools(4, wt.LABEL // 4)
     target = hw.raw_writer(
         shm_dir, "kvsidecar.worst.dp0.tp0.pp0", wt.payload(4, wt.LABEL // 4, pools), 512 * 1024
     )
-    events = kvm._writer(shm_dir, blocks)
-    port, replay, load, gateway = free_port(), free_port(), free_port(), free_port()
+    events = [
+        kvm._writer(shm_dir, blocks // segments, f"kvevents.mem.dp{r}.tp0.pp0", r)
+        for r in range(segments)
+    ]
+    # Rank r publishes on port + r and replay + r: blocks of ports apart (free_port()
+    # twice in a row may give neighbours).
+    port = free_port()
+    replay, load, gateway = port + 100, port + 200, port + 201
     ctx = zmq.Context()
     socks: list[zmq.Socket] = []
     daemon = None
     try:
         if early:
             socks += [
-                _never_reads(ctx, zmq.SUB, f"tcp://127.0.0.1:{port}") for _ in range(subscribers)
+                _never_reads(ctx, zmq.SUB, f"tcp://127.0.0.1:{port + i % segments}")
+                for i in range(subscribers)
             ]
         daemon, url = start_daemon(
             shm_dir,
@@ -103,17 +126,23 @@ def run(
             "--kv-events.replay-endpoint", f"tcp://127.0.0.1:{replay}",
             "--load-push.endpoint", f"tcp://127.0.0.1:{load}",
             "--gateway.listen-address", f"127.0.0.1:{gateway}",
+            *flags,
             wait_for_source=False, stderr=subprocess.DEVNULL,
         )  # fmt: skip
         sampler = _AnonPeak(daemon.pid)
-        kvm._wait_published(ctx, f"tcp://127.0.0.1:{replay}")
+        published = 0
+        for r in range(segments):  # a rank over --kv-events.memory-bytes never binds
+            if wait_for(lambda r=r: listening(replay + r), timeout=20):
+                kvm._wait_published(ctx, f"tcp://127.0.0.1:{replay + r}")
+                published += 1
         socks.append(_never_reads(ctx, zmq.SUB, f"tcp://127.0.0.1:{load}"))
         if not early:
             socks += [
-                _never_reads(ctx, zmq.SUB, f"tcp://127.0.0.1:{port}") for _ in range(subscribers)
+                _never_reads(ctx, zmq.SUB, f"tcp://127.0.0.1:{port + i % segments}")
+                for i in range(subscribers)
             ]
-        for _ in range(replays):
-            c = _never_reads(ctx, zmq.DEALER, f"tcp://127.0.0.1:{replay}")
+        for i in range(replays):
+            c = _never_reads(ctx, zmq.DEALER, f"tcp://127.0.0.1:{replay + i % segments}")
             c.send_multipart([b"", (0).to_bytes(8, "big")])
             socks.append(c)
         deadline = time.monotonic() + settle
@@ -127,6 +156,8 @@ def run(
                 gateway_bytes = -e.code
         return {
             "blocks": blocks,
+            "segments": segments,
+            "published": published,
             "subscribers": subscribers,
             "replay_clients": replays,
             "early_subscribers": early,
@@ -144,6 +175,7 @@ def run(
         if daemon is not None:
             stop_daemon(daemon)
         hw._kill([target])
-        os.kill(events, signal.SIGKILL)
-        os.waitpid(events, 0)
+        for pid in events:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
         shutil.rmtree(shm_dir, ignore_errors=True)

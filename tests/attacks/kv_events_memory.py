@@ -30,14 +30,16 @@ MB = 1024 * 1024
 NAME = "kvevents.mem.dp0.tp0.pp0"
 
 
-def _writer(shm_dir: str, blocks: int) -> int:
+def _writer(shm_dir: str, blocks: int, name: str = NAME, dp_rank: int = 0) -> int:
     """A child that stores `blocks` blocks, says so on a pipe, then keeps the segment."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(r)
-            seg = KVEventsWriter(NAME, n_slots=blocks, block_size=16, shm_dir=shm_dir)
+            seg = KVEventsWriter(
+                name, n_slots=blocks, block_size=16, shm_dir=shm_dir, dp_rank=dp_rank
+            )
             tokens = list(range(16))
             for i in range(blocks):
                 seg.stored(i, i + 1, i if i % 64 else None, tokens)

@@ -34,7 +34,9 @@ def main(shm_dir: str, blocks: int) -> None:
     for i in range(blocks):
         w.stored(i, i + 1, i if i % 64 else None, tokens)
     ctx = zmq.Context()
-    pub = kz.RankPublisher(NAME, shm_dir, KVEventsOptions("tcp://127.0.0.1:0"), ctx)
+    pub = kz.RankPublisher(
+        NAME, shm_dir, KVEventsOptions("tcp://127.0.0.1:0", memory_bytes=1 << 40), ctx
+    )
     pub._bind(0)
     print(pub.endpoint, flush=True)
     while not select.select([sys.stdin], [], [], 0.05)[0]:

@@ -108,7 +108,9 @@ def test_every_batch_is_bounded_in_bytes(shm_dir: str) -> None:
     for i in range(3000):
         w.stored(i, i + 1, i if i % 64 else None, tokens)
     ctx = zmq.Context()
-    pub = kz.RankPublisher(name, shm_dir, KVEventsOptions("tcp://127.0.0.1:0"), ctx)
+    pub = kz.RankPublisher(
+        name, shm_dir, KVEventsOptions("tcp://127.0.0.1:0", memory_bytes=1 << 40), ctx
+    )
     sent: list[bytes] = []
     remember = pub._remember
     pub._remember = lambda seq, payload: (sent.append(payload), remember(seq, payload))  # type: ignore[method-assign,func-returns-value]

@@ -49,7 +49,9 @@ class Table:
         self.cached: dict[int, tuple[int, int | None]] = {}
         self.next_hash = 1
         self.ctx = zmq.Context()
-        self.pub = kz.RankPublisher(name, shm_dir, KVEventsOptions("tcp://127.0.0.1:0"), self.ctx)
+        self.pub = kz.RankPublisher(
+            name, shm_dir, KVEventsOptions("tcp://127.0.0.1:0", memory_bytes=1 << 40), self.ctx
+        )
         self.sent: list[bytes] = []
         self.counts = {"stored": 0, "removed": 0}
         remember = self.pub._remember

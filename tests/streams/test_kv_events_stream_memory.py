@@ -47,7 +47,9 @@ def test_the_full_state_is_never_held_whole(shm_dir: str, monkeypatch) -> None: 
         w.stored(i, i + 1, i if i % 64 else None, tokens)
     ctx = zmq.Context()
     port, replay_port = free_port(), free_port()
-    options = KVEventsOptions(f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}")
+    options = KVEventsOptions(
+        f"tcp://127.0.0.1:{port}", f"tcp://127.0.0.1:{replay_port}", memory_bytes=1 << 40
+    )
     pub = kz.RankPublisher(NAME, shm_dir, options, ctx)
     sent: list[bytes] = []
     remember = pub._remember
