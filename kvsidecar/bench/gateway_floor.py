@@ -146,7 +146,7 @@ def _one(
     if cand == "compiled_python_steps":
         gw.compiled_step = lambda *args, **kwargs: None
     gateway = gw.Gateway(targets)
-    route = _constant_route() if cand == "floor" else gateway.route(0)
+    route = constant_route() if cand == "floor" else gateway.route(0)
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     options = {"compiled": cand not in ("word", "full")} if COMPILED else {}
@@ -192,7 +192,7 @@ def _one(
     }
 
 
-def _constant_route() -> Callable[[str], tuple]:
+def constant_route() -> Callable[[str], tuple]:
     """A route with one answer, kept current for ever in its slot: the compiled path's
     floor (its word a constant 0 in a buffer of our own)."""
     answer = (200, b"# TYPE floor gauge\nfloor 1.0\n", "text/plain; version=0.0.4", b"")
