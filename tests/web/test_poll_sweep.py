@@ -92,8 +92,17 @@ def test_polls_far_from_any_deadline_wake_no_sweep(compiled: bool) -> None:
         server.shutdown()
 
 
+@pytest.fixture
+def no_periodic_sweep(monkeypatch):
+    """The sweeps' upper bound out of reach: a deadline is met because it was computed,
+    never because a periodic sweep happened to come by."""
+    monkeypatch.setattr(poll_server, "_SWEEP", 3600.0)
+
+
 @pytest.mark.parametrize("compiled", PATHS)
-def test_silent_heads_newcomers_and_idle_connections_still_closed(compiled: bool) -> None:
+def test_silent_heads_newcomers_and_idle_connections_still_closed(
+    compiled: bool, no_periodic_sweep
+) -> None:
     listener = socket.create_server(("127.0.0.1", 0))
     server = PollServer(
         [(listener, constant_route())], head_timeout=0.5, idle_timeout=1.5, compiled=compiled
@@ -121,4 +130,24 @@ def test_silent_heads_newcomers_and_idle_connections_still_closed(compiled: bool
     finally:
         for s in (mid_head, silent, idle, busy):
             s.close()
+        server.shutdown()
+
+
+def test_a_reader_that_stops_taking_its_answer_is_still_closed(no_periodic_sweep) -> None:
+    """slow_reader: an answer the client stops taking (more than the kernel's buffers
+    hold), head_timeout after it was left waiting; only the Python path sends it."""
+    big = (200, b"x" * (16 << 20), "text/plain", b"")
+    listener = socket.create_server(("127.0.0.1", 0))
+    server = PollServer([(listener, lambda path: big)], head_timeout=0.5)
+    server.start()
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+    s.settimeout(30)
+    try:
+        s.connect(listener.getsockname())
+        s.sendall(HEAD)  # and never read
+        assert wait_for(lambda: server.closed == {"slow_reader": 1})
+        assert server.connections == 0
+    finally:
+        s.close()
         server.shutdown()
