@@ -25,7 +25,12 @@ turn, same writer:
   check, as before it;
 * ``floor``: the compiled path serving one constant answer (no segment, no check): what a
   poll costs this host's listener thread at the least (a wake-up, a read, a compare, a
-  write), the bound under any design of the checks.
+  write), the bound under any design of the checks;
+* ``native``: no listener of ours at all: `_pollfast.native_floor`, a pure-C epoll loop with
+  the GIL released for its whole run (accept, recv, send the floor's answer bytes for each
+  head read: no parse, no counts, no checks), on its own thread, same picker: what ANY
+  listener costs a poll on this host (the wake-up, the read, the write), the floor under
+  ``floor``.
 
 Both with the shared parser's verdict kept per distinct head, and the same answer tuple's
 bytes re-sent (`poll_server`): the parse and the head are a lookup in both.
@@ -70,6 +75,8 @@ if COMPILED:
     CANDIDATES.append("compiled")
     if hasattr(gw, "compiled_step"):
         CANDIDATES += ["compiled_python_steps", "floor"]
+    if hasattr(poll_server._pollfast, "native_floor"):
+        CANDIDATES.append("native")
 
 
 # Thread CPU ns and calls of the parts of a full check, on the listener's thread only.
@@ -146,11 +153,15 @@ def _one(
     if cand == "compiled_python_steps":
         gw.compiled_step = lambda *args, **kwargs: None
     gateway = gw.Gateway(targets)
-    route = _constant_route() if cand == "floor" else gateway.route(0)
+    route = constant_route() if cand == "floor" else gateway.route(0)
     sock = socket.create_server(("127.0.0.1", 0))
     port = sock.getsockname()[1]
     options = {"compiled": cand not in ("word", "full")} if COMPILED else {}
-    server = PollServer([(sock, route)], name="kvsidecar-gateway", **options)
+    server: PollServer | NativeFloor
+    if cand == "native":
+        server = NativeFloor(sock, 2.0 + seconds + 1.0)  # outlasts the window below
+    else:
+        server = PollServer([(sock, route)], name="kvsidecar-gateway", **options)
     server.start()
     counter = os.path.join(tmp, f"floor-{cand}")
     with open(counter, "wb") as f:
@@ -192,7 +203,7 @@ def _one(
     }
 
 
-def _constant_route() -> Callable[[str], tuple]:
+def constant_route() -> Callable[[str], tuple]:
     """A route with one answer, kept current for ever in its slot: the compiled path's
     floor (its word a constant 0 in a buffer of our own)."""
     answer = (200, b"# TYPE floor gauge\nfloor 1.0\n", "text/plain; version=0.0.4", b"")
@@ -207,6 +218,36 @@ def _constant_route() -> Callable[[str], tuple]:
 
     route.fast_slot = slot  # type: ignore[attr-defined]
     return route
+
+
+class NativeFloor:
+    """`_pollfast.native_floor` serving the floor's answer bytes on `sock` for `seconds`
+    (or until `most` answers, where given), on a thread of its own (started by `start`);
+    `result` is its (answers, thread CPU ns)."""
+
+    def __init__(self, sock: socket.socket, seconds: float, most: int = 0) -> None:
+        status, body, ctype, extra = constant_route().fast_slot.answer  # type: ignore[attr-defined]
+        self.answer = b"%s%d\r\n%s\r\n%s" % (
+            poll_server.response_start(status, ctype),
+            len(body),
+            extra,
+            body,
+        )
+        self.sock, self.seconds, self.most = sock, seconds, most
+        self.result: tuple[int, int] | None = None
+        self._thread = threading.Thread(target=self._serve, name="kvsidecar-native-floor")
+
+    def _serve(self) -> None:
+        self.result = poll_server._pollfast.native_floor(
+            self.sock.fileno(), self.answer, self.seconds, self.most
+        )
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def shutdown(self) -> None:
+        self._thread.join()
+        self.sock.close()
 
 
 def _counts(path: str) -> tuple[int, ...]:

@@ -23,17 +23,23 @@
  * The GIL is held while a ready connection is served (non-blocking calls, a few
  * microseconds) so that the Python objects it counts in are exactly as the Python path
  * leaves them; it is released while waiting.
+ *
+ * native_floor() is no part of the listener: the bench's `native` candidate
+ * (kvsidecar/bench/gateway_floor.py), a listener with no interpreter and no checks at all,
+ * what any listener costs a poll on the host.
  */
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <structmember.h>
 
 #include <errno.h>
+#include <fcntl.h>
 #include <math.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <time.h>
+#include <unistd.h>
 
 #define RECV_MAX 8192 /* poll_server._RECV: what one read of a connection takes */
 #define MAX_EVENTS 64
@@ -386,10 +392,110 @@ fail:
     return NULL;
 }
 
+static long long thread_cpu_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
+    return (long long)ts.tv_sec * 1000000000LL + ts.tv_nsec;
+}
+
+#define NATIVE_CONNS 1024
+
+/* The native floor's loop, no GIL held: accept on `lfd` (non-blocking), and on each read
+ * of a connection send `answer` once per head end (CRLF CRLF) in the bytes read (a
+ * picker's head comes in one read), for `seconds` or until `most` answers (0: no limit).
+ * Counts the answers sent in *polls. -1: errno set. */
+static int native_loop(int lfd, const char *answer, size_t alen, double seconds,
+                       unsigned long long most, unsigned long long *polls) {
+    int conns[NATIVE_CONNS];
+    int nconns = 0, rc = 0;
+    char buf[RECV_MAX];
+    struct epoll_event ev = {.events = EPOLLIN, .data.fd = lfd}, evs[MAX_EVENTS];
+    int ep = epoll_create1(EPOLL_CLOEXEC);
+    if (ep < 0) return -1;
+    if (epoll_ctl(ep, EPOLL_CTL_ADD, lfd, &ev) < 0) {
+        close(ep);
+        return -1;
+    }
+    double deadline = mono() + seconds;
+    for (;;) {
+        double left = deadline - mono();
+        if (left <= 0 || (most && *polls >= most)) break;
+        int n = epoll_wait(ep, evs, MAX_EVENTS, (int)ceil(left * 1000));
+        if (n < 0) {
+            if (errno == EINTR) continue;
+            rc = -1;
+            break;
+        }
+        for (int i = 0; i < n; i++) {
+            int fd = evs[i].data.fd;
+            if (fd == lfd) {
+                int c;
+                while ((c = accept4(lfd, NULL, NULL, SOCK_NONBLOCK | SOCK_CLOEXEC)) >= 0) {
+                    struct epoll_event cev = {.events = EPOLLIN, .data.fd = c};
+                    if (nconns == NATIVE_CONNS || epoll_ctl(ep, EPOLL_CTL_ADD, c, &cev) < 0) {
+                        close(c);
+                        continue;
+                    }
+                    conns[nconns++] = c;
+                }
+                continue;
+            }
+            ssize_t got = recv(fd, buf, sizeof buf, 0);
+            if (got < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) continue;
+            if (got <= 0) { /* EOF or an error: this connection is done */
+                for (int k = 0; k < nconns; k++) {
+                    if (conns[k] == fd) {
+                        conns[k] = conns[--nconns];
+                        break;
+                    }
+                }
+                close(fd); /* closing also takes it out of the epoll set */
+                continue;
+            }
+            for (ssize_t k = 0; k + 3 < got; k++) {
+                if (memcmp(buf + k, "\r\n\r\n", 4) == 0) {
+                    send(fd, answer, alen, MSG_DONTWAIT | MSG_NOSIGNAL);
+                    (*polls)++;
+                    k += 3;
+                }
+            }
+        }
+    }
+    for (int k = 0; k < nconns; k++) close(conns[k]);
+    close(ep);
+    return rc;
+}
+
+/* native_floor(listen_fd, answer, seconds, most=0) -> (answers sent, thread CPU ns) */
+static PyObject *py_native_floor(PyObject *self, PyObject *args) {
+    int lfd;
+    Py_buffer answer;
+    double seconds;
+    unsigned long long most = 0;
+    (void)self;
+    if (!PyArg_ParseTuple(args, "iy*d|K", &lfd, &answer, &seconds, &most)) return NULL;
+    unsigned long long polls = 0;
+    long long cpu = 0;
+    int rc, flags = fcntl(lfd, F_GETFL);
+    Py_BEGIN_ALLOW_THREADS
+    long long cpu0 = thread_cpu_ns();
+    rc = flags < 0 ? -1 : fcntl(lfd, F_SETFL, flags | O_NONBLOCK);
+    if (rc == 0) rc = native_loop(lfd, answer.buf, (size_t)answer.len, seconds, most, &polls);
+    cpu = thread_cpu_ns() - cpu0;
+    Py_END_ALLOW_THREADS
+    PyBuffer_Release(&answer);
+    if (rc < 0) return PyErr_SetFromErrno(PyExc_OSError);
+    return Py_BuildValue("(KL)", polls, cpu);
+}
+
 static PyMethodDef methods[] = {
     {"wait", py_wait, METH_VARARGS,
      "wait(epfd, timeout, conns, requests) -> [(fd, events, data, rest)]: wait on the epoll "
      "descriptor, serve the fast polls (each counted in its slot), hand back the rest."},
+    {"native_floor", py_native_floor, METH_VARARGS,
+     "native_floor(listen_fd, answer, seconds, most=0) -> (answers sent, thread CPU ns): "
+     "for `seconds` (or until `most` answers), with the GIL released, accept on the listening socket and send `answer` "
+     "for each request head read (no parse, no checks): the host's floor, for the bench."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -83,7 +83,13 @@ _RECV = 8192
 _MAX_OUT = 64 * 1024  # answers not yet taken: read no more requests beyond this
 _TURN = 16  # pipelined requests answered per connection per turn of the loop
 _VERDICTS = 256  # distinct heads whose parse is kept
-_SWEEP = 0.25  # seconds between sweeps of the connections' deadlines
+# The connections' deadlines are swept when the earliest one is due, not on a clock: a
+# picker served in C moves no deadline nearer, so its polls wake no Python. At least
+# `_SWEEP_MIN` apart (a deadline due at the very instant it is checked does not spin the
+# loop), at most `_SWEEP` apart: a deadline nothing here knows of (a timeout attribute
+# changed after the start, a path that sets one and does not say so) is met within that.
+_SWEEP_MIN = 0.01
+_SWEEP = 5.0
 _REASONS = {
     200: "OK",
     400: "Bad Request",
@@ -211,6 +217,7 @@ class PollServer:
         self._wake_r, self._wake_w = socket.socketpair()
         self._stop = False
         self._thread: threading.Thread | None = None
+        self._next_sweep = 0.0  # monotonic time of the next sweep of the deadlines
 
     @property
     def connections(self) -> int:
@@ -257,14 +264,14 @@ class PollServer:
     # -- the loop -------------------------------------------------------------------
 
     def _run(self) -> None:
-        last_sweep = time.monotonic()
+        self._next_sweep = time.monotonic() + _SWEEP
         while not self._stop:
             try:
+                wait = 0.0 if self._pending else max(0.0, self._next_sweep - time.monotonic())
                 if self._fast is not None:
-                    wait = 0.0 if self._pending else last_sweep + _SWEEP - time.monotonic()
                     events = self._wait_fast(wait)
                 else:
-                    events = self._sel.select(timeout=0 if self._pending else _SWEEP)
+                    events = self._sel.select(timeout=wait)
             except OSError as e:  # EINTR is retried by selectors; anything else: log, go on
                 log.warning("%s: select failed: %s", self.name, e)
                 time.sleep(0.05)
@@ -295,9 +302,9 @@ class PollServer:
                     except Exception:
                         log.exception("%s: internal error", self.name)
                         self._close(conn, "error")
-            if now - last_sweep >= _SWEEP:
-                last_sweep = now
-                self._sweep(now)
+            if now >= self._next_sweep:
+                due = self._sweep(now)
+                self._next_sweep = min(max(due, now + _SWEEP_MIN), now + _SWEEP)
 
     def _wait_fast(self, timeout: float) -> list[tuple[selectors.SelectorKey, int]]:
         """The compiled wait: serves the fast polls itself, and returns what it handed
@@ -362,6 +369,7 @@ class PollServer:
             self._conns[sock.fileno()] = conn
             self._per_host[host] = self._per_host.get(host, 0) + 1
             self._sel.register(sock, selectors.EVENT_READ, conn)
+            self._watch(conn, now)
 
     def _make_room(self) -> bool:
         """Close the oldest connection that completed no request, else the one idle
@@ -381,21 +389,47 @@ class PollServer:
         self._close(victim, "evicted")
         return True
 
-    def _sweep(self, now: float) -> None:
+    def _sweep(self, now: float) -> float:
+        """Close the connections past a deadline; the earliest deadline of the others."""
+        due = float("inf")
         for conn in list(self._conns.values()):
-            if conn.out_since and now - conn.out_since > self.head_timeout:
-                self._close(conn, "slow_reader")
-            elif conn.head_since and now - conn.head_since > self.head_timeout:
-                self._close(conn, "slow_head")
-            elif (
-                not conn.served
-                and not conn.out
-                and not conn.inbuf
-                and (now - conn.accepted > self.head_timeout)
-            ):
-                self._close(conn, "slow_head")  # connected, and never sent a byte
-            elif not conn.out and not conn.head_since and now - conn.progress > self.idle_timeout:
-                self._close(conn, "idle")
+            reason, when = self._deadline(conn, now)
+            if reason is not None:
+                self._close(conn, reason)
+            elif when < due:
+                due = when
+        return due
+
+    def _deadline(self, conn: _Conn, now: float) -> tuple[str | None, float]:
+        """The reason of the first of the connection's deadlines that `now` is past (in
+        this order), else None and the earliest of them."""
+        head = self.head_timeout
+        when = float("inf")
+        if conn.out_since:
+            if now - conn.out_since > head:
+                return "slow_reader", now
+            when = conn.out_since + head
+        if conn.head_since:
+            if now - conn.head_since > head:
+                return "slow_head", now
+            when = min(when, conn.head_since + head)
+        if not conn.served and not conn.out and not conn.inbuf:
+            if now - conn.accepted > head:
+                return "slow_head", now  # connected, and never sent a byte
+            when = min(when, conn.accepted + head)
+        if not conn.out and not conn.head_since:
+            if now - conn.progress > self.idle_timeout:
+                return "idle", now
+            when = min(when, conn.progress + self.idle_timeout)
+        return None, when
+
+    def _watch(self, conn: _Conn, now: float) -> None:
+        """The Python path changed the connection (accepted, read, answered, sent): the
+        next sweep comes no later than its deadlines now (the compiled path only moves a
+        connection's deadlines later: its polls need none)."""
+        when = self._deadline(conn, now)[1]
+        if when < self._next_sweep:
+            self._next_sweep = when
 
     # -- one connection -------------------------------------------------------------
 
@@ -562,6 +596,7 @@ class PollServer:
             # Read nothing more until the client takes what it asked for.
             conn.out_since = conn.out_since or now
             self._set_mask(conn, selectors.EVENT_WRITE)
+            self._watch(conn, now)
             return
         conn.out_since = 0.0
         if conn.close_after:
@@ -571,11 +606,13 @@ class PollServer:
             # More pipelined heads: served next turn, after every other connection.
             self._pending[conn] = None
             self._set_mask(conn, 0)
+            self._watch(conn, now)
             return
         if conn.eof:
             self._close(conn, None)
             return
         self._set_mask(conn, selectors.EVENT_READ)
+        self._watch(conn, now)
 
     def _close(self, conn: _Conn, reason: str | None) -> None:
         fd = conn.sock.fileno()
