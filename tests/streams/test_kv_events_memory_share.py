@@ -94,17 +94,17 @@ def _published(ctx: zmq.Context, replay: int) -> bool:
 def test_a_segment_over_the_share_is_refused_in_one_line_and_admitted_when_it_fits(
     shm_dir: str, tmp_path: Path
 ) -> None:
-    """A real daemon and two engines' segments: the first (10,000 slots) is published,
-    the second (10,000 slots, DP rank 1) would pass the share, so it is not published, its
-    ports stay unbound and the log says so in one line, once, naming the flag; replaced by
-    a segment of 100 slots (what the share leaves room for), it is published."""
+    """A real daemon and two engines' segments: the first (10,000 slots) is published;
+    the second, come later (10,000 slots, DP rank 1), would pass the share, so it is not
+    published, its ports stay unbound and the log says so in one line, once, naming the
+    flag; replaced by a segment of 100 slots (what the share leaves room for), it is."""
     budget = kb.cost(10_000) + kb.cost(100)
-    port, replay = free_port(), free_port()
+    port = free_port()
+    replay = port + 100  # rank r on port + r and replay + r
     ctx = zmq.Context()
     log = tmp_path / "daemon.log"
     first = kvm._writer(shm_dir, 10_000, "kvevents.a.dp0.tp0.pp0", 0)
-    second = kvm._writer(shm_dir, 10_000, "kvevents.b.dp1.tp0.pp0", 1)
-    writers = [first, second]
+    writers = [first]
     daemon = None
     try:
         with open(log, "wb") as err:
@@ -117,6 +117,8 @@ def test_a_segment_over_the_share_is_refused_in_one_line_and_admitted_when_it_fi
                 stderr=err,
             )  # fmt: skip
         assert _published(ctx, replay)  # rank 0
+        second = kvm._writer(shm_dir, 10_000, "kvevents.b.dp1.tp0.pp0", 1)
+        writers.append(second)
         refused = "KV-event segment kvevents.b.dp1.tp0.pp0: 10,000 slots need"
         assert wait_for(lambda: refused in log.read_text(), timeout=30), log.read_text()
         assert not listening(port + 1) and not listening(replay + 1)
