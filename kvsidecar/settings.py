@@ -286,8 +286,9 @@ KV_EVENTS_MEMORY_BYTES = _s(
     "int",
     13 * 1024 * 1024,
     "what the KV-event publishers may take of the daemon's memory, all segments together "
-    "(6 MiB + 80 bytes a slot each; a segment over what is left is not published): one "
-    "segment of up to 91,750 slots by default; raise it with the memory limit",
+    "(each 6 MiB + 20 bytes a slot + 60 a cached block; a segment over what is left is not "
+    "published): one engine's of up to 75,366 blocks by default; raise it with the memory "
+    "limit",
     DAEMON,
     flag="--kv-events.memory-bytes",
 )

@@ -281,8 +281,9 @@ def _telemetry_path(value: str) -> str:
     show_default=True,
     help=(
         "What the KV-event publishers may take of the daemon's memory, all segments together "
-        "(6 MiB + 80 bytes a slot each; a segment over what is left is not published, with "
-        "one line saying by how much): one segment of up to 91,750 slots by default. Raise "
+        "(each 6 MiB + 20 bytes a slot + 60 a cached block; a segment over what is left is not "
+        "published, with one line saying by how much): one engine's of up to 75,366 blocks by "
+        "default. Raise "
         "it with the container's memory limit (docs/kv-events.md#memory)."
     ),
 )

@@ -37,8 +37,8 @@ from kvsidecar.daemon.config import KVEventsOptions
 from kvsidecar.protocol import kv_events_layout as kvl
 from kvsidecar.protocol.kv_events_reader import Block, KVEventsReader, Overrun, Record
 from kvsidecar.protocol.reader import ReadError
-from kvsidecar.streams import kv_events_state
-from kvsidecar.streams.kv_events_budget import MemoryBudget
+from kvsidecar.streams import kv_events_budget, kv_events_state
+from kvsidecar.streams.kv_events_budget import MemoryBudget, ShareExceeded
 from kvsidecar.streams.kv_events_wire import (
     END_SEQ,
     AllBlocksCleared,
@@ -88,9 +88,11 @@ STATE_WINDOW_BYTES = 1024 * 1024
 # net.ipv4.tcp_wmem's maximum (4 MiB), once per connection: 64 such clients took 173 MiB.
 SOCKET_SNDBUF = 64 * 1024
 WAITING = -2
-# A segment refused by the memory budget is looked at again this often (replaced, or a
-# share given back), not at every poll: attaching maps it.
+# A segment refused by the memory share is looked at again this often (replaced, or a
+# share given back), not at every poll: attaching maps it. One whose full state found more
+# cached blocks than the share holds, after this long: its check is a scan of the table.
 REFUSED_RETRY_S = 1.0
+OVER_RETRY_S = 30.0
 
 
 def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
@@ -224,8 +226,11 @@ class RankPublisher:
         self.name = name
         # The daemon's publishers share one (kv_events_budget.py); alone, its own.
         self.budget = budget if budget is not None else MemoryBudget(options.memory_bytes)
-        self._refused: str | None = None  # the last refusal logged
-        self._refused_at = -REFUSED_RETRY_S
+        self._refused: str | None = None  # the refusal in force (logged when it began)
+        self._retry_at = 0.0  # time.monotonic() of the next look at a refused segment
+        self._slots = 0  # of the attached segment
+        self._charged = 0  # cached blocks its share is charged for
+        self._over: str | None = None  # a replay's full state found the share exceeded
         self.shm_dir = shm_dir
         self.options = options
         self.allowed_uids = allowed_uids
@@ -314,6 +319,11 @@ class RankPublisher:
                 return
         try:
             self._follow(reader)
+            if self._over is not None:
+                over, self._over = self._over, None
+                raise ShareExceeded(over)
+        except ShareExceeded as e:
+            self._refuse(reader, str(e), OVER_RETRY_S)
         except ReadError as e:  # corrupt / truncated: treat as a gone engine, re-attach
             log.warning("kv events %s: %s", self.name, e)
             reader.close()
@@ -321,7 +331,7 @@ class RankPublisher:
             self._gone(str(e))
 
     def _attach(self) -> KVEventsReader | None:
-        if self._refused is not None and time.monotonic() - self._refused_at < REFUSED_RETRY_S:
+        if self._refused is not None and time.monotonic() < self._retry_at:
             return None
         reader = KVEventsReader(self.name, shm_dir=self.shm_dir, allowed_uids=self.allowed_uids)
         error = reader.attach()
@@ -332,18 +342,13 @@ class RankPublisher:
             return None
         header = reader.header
         assert header is not None
-        refusal = self.budget.reserve(self.name, header.n_slots)
-        if refusal is not None:  # nothing of it is held: not its state, not its share
-            reader.close()
-            self._state = None
-            self._refused_at = time.monotonic()
-            if refusal != self._refused:
-                log.warning("%s", refusal)
-            self._refused = self.error = refusal
+        assert reader.geometry is not None
+        self._slots = header.n_slots
+        self._charged = kv_events_budget.cacheable(header.n_slots, reader.geometry.ring_cap)
+        refusal = self.budget.reserve(self.name, self._slots, self._charged)
+        if refusal is not None:
+            self._refuse(reader, refusal, REFUSED_RETRY_S)
             return None
-        if self._refused is not None:
-            log.info("kv events %s: within --kv-events.memory-bytes now: published", self.name)
-            self._refused = self.error = None
         if self._pub is None:
             try:
                 self._bind(header.dp_rank)
@@ -364,8 +369,49 @@ class RankPublisher:
         self.reader = reader
         self._state = _State(header.n_slots)
         self._incarnation = header.incarnation
-        self._resync_full(reader)
+        try:
+            self._resync_full(reader)
+        except ShareExceeded as e:
+            self._refuse(reader, str(e), OVER_RETRY_S)
+            return None
+        if self._refused is not None:
+            log.info("kv events %s: within --kv-events.memory-bytes now: published", self.name)
+            self._refused = self.error = None
         return reader
+
+    def _refuse(self, reader: KVEventsReader, refusal: str, retry: float) -> None:
+        """Over the share: nothing of the segment is held, not its state, not its share
+        (what was published of it is cleared); said once, when the refusal begins."""
+        reader.close()
+        if self.reader is reader:
+            self.reader = None
+        self._gone("over --kv-events.memory-bytes")
+        self._state = None
+        self.budget.release(self.name)
+        self._retry_at = time.monotonic() + retry
+        if self._refused is None:
+            log.warning("%s", refusal)
+        self._refused = self.error = refusal
+
+    def _guarded(
+        self, pick: Callable[[int, int, kv_events_state.Rows], kv_events_state.Rows]
+    ) -> Callable[[int, int, kv_events_state.Rows], kv_events_state.Rows]:
+        """A `scan` pick that charges the share for the rows it keeps past what the
+        segment was charged for, before they are kept (ShareExceeded when they do not fit)."""
+        kept = 0
+
+        def guarded(first: int, end: int, rows: kv_events_state.Rows) -> kv_events_state.Rows:
+            nonlocal kept
+            rows = pick(first, end, rows)
+            kept += rows.n
+            if kept > self._charged:
+                refusal = self.budget.reserve(self.name, self._slots, kept)
+                if refusal is not None:
+                    raise ShareExceeded(refusal)
+                self._charged = kept
+            return rows
+
+        return guarded
 
     def _bind(self, dp_rank: int) -> None:
         o = self.options
@@ -440,7 +486,7 @@ class RankPublisher:
         def drop(slot: int) -> None:  # re-stored since the scan: the ring says it
             state.version[slot] = 0
 
-        head, columns = kv_events_state.scan(reader, announce)
+        head, columns = kv_events_state.scan(reader, self._guarded(announce))
         self._next = head + 1
         self._engine_gone = False
         self.stats["resyncs"] += 1
@@ -479,7 +525,7 @@ class RankPublisher:
         def drop(slot: int) -> None:  # re-stored since the scan: the ring says it
             state.version[slot] = 0
 
-        head, columns = kv_events_state.scan(reader, changed)
+        head, columns = kv_events_state.scan(reader, self._guarded(changed))
         self._publish(removed)
         self._next = head + 1
         self.stats["overruns"] += 1
@@ -710,8 +756,12 @@ class RankPublisher:
         version (one not there any more is being removed: its removal follows live)."""
         reader, state = self.reader, self._state
         assert reader is not None and state is not None
-        pick = kv_events_state.announced_rows(reader, state.version)
-        _head, columns = kv_events_state.scan(reader, pick)
+        pick = self._guarded(kv_events_state.announced_rows(reader, state.version))
+        try:
+            _head, columns = kv_events_state.scan(reader, pick)
+        except ShareExceeded as e:  # the live side refuses the segment at its next poll
+            self._over = str(e)
+            return
         for events in kv_events_state.batches(reader, columns, signed=self._signed):
             yield self._batch(events)
 

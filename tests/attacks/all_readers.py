@@ -92,19 +92,21 @@ def run(
     early: bool = False,
     segments: int = 1,
     flags: tuple[str, ...] = (),
+    spare: int = 0,
 ) -> dict[str, Any]:
     """``early``: the subscribers connect before the daemon starts, so the full state at
     start is queued to them (up to PUB_QUEUE_MSGS messages each, the same bytes).
     ``segments``: the blocks split over that many KV-event segments (DP ranks 0..n-1, each
     published on its own ports: the subscribers and replay clients spread over them);
-    ``flags``: more ``kvsidecar serve`` flags."""
+    ``flags``: more ``kvsidecar serve`` flags; ``spare``: slots each table has beyond its
+    blocks (an agent's: a ring's worth, 65,536)."""
     shm_dir = tempfile.mkdtemp(prefix="kvsidecar-allreaders-", dir="/dev/shm")
     pools = wt.most_pools(4, wt.LABEL // 4)
     target = hw.raw_writer(
         shm_dir, "kvsidecar.worst.dp0.tp0.pp0", wt.payload(4, wt.LABEL // 4, pools), 512 * 1024
     )
     events = [
-        kvm._writer(shm_dir, blocks // segments, f"kvevents.mem.dp{r}.tp0.pp0", r)
+        kvm._writer(shm_dir, blocks // segments, f"kvevents.mem.dp{r}.tp0.pp0", r, spare)
         for r in range(segments)
     ]
     # Rank r publishes on port + r and replay + r: blocks of ports apart (free_port()
@@ -157,6 +159,7 @@ def run(
         return {
             "blocks": blocks,
             "segments": segments,
+            "spare": spare,
             "published": published,
             "subscribers": subscribers,
             "replay_clients": replays,

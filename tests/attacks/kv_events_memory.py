@@ -30,15 +30,17 @@ MB = 1024 * 1024
 NAME = "kvevents.mem.dp0.tp0.pp0"
 
 
-def _writer(shm_dir: str, blocks: int, name: str = NAME, dp_rank: int = 0) -> int:
-    """A child that stores `blocks` blocks, says so on a pipe, then keeps the segment."""
+def _writer(shm_dir: str, blocks: int, name: str = NAME, dp_rank: int = 0, spare: int = 0) -> int:
+    """A child that stores `blocks` blocks in a table of `blocks + spare` slots (an
+    agent's: what its engine can cache plus a ring's worth), says so on a pipe, then
+    keeps the segment."""
     r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         try:
             os.close(r)
             seg = KVEventsWriter(
-                name, n_slots=blocks, block_size=16, shm_dir=shm_dir, dp_rank=dp_rank
+                name, n_slots=blocks + spare, block_size=16, shm_dir=shm_dir, dp_rank=dp_rank
             )
             tokens = list(range(16))
             for i in range(blocks):

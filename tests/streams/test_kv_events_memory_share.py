@@ -23,7 +23,11 @@ pytest.importorskip("zmq", reason="pyzmq (the kvevents extra, in the dev set) is
 import zmq
 
 from kvsidecar.bench.fleet import free_port
+from kvsidecar.daemon.config import KVEventsOptions
+from kvsidecar.protocol import kv_events_layout as kvl
+from kvsidecar.protocol.kv_events_writer import KVEventsWriter
 from kvsidecar.streams import kv_events_budget as kb
+from kvsidecar.streams import kv_events_zmq as kz
 from tests.attacks import kv_events_memory as kvm
 from tests.attacks.all_readers import listening
 from tests.support.procs import start_daemon, wait_for
@@ -32,6 +36,7 @@ OPS = st.lists(
     st.tuples(
         st.sampled_from(["reserve", "release"]),
         st.sampled_from("abcde"),
+        st.integers(0, 300_000),
         st.integers(0, 300_000),
     ),
     max_size=40,
@@ -47,27 +52,28 @@ def test_admitted_segments_never_cost_more_than_the_budget(limit: int, ops: list
     refusal names the flag and the shortfall, which raising the limit by admits."""
     budget = kb.MemoryBudget(limit)
     held: dict[str, int] = {}
-    for op, name, n_slots in ops:
+    for op, name, n_slots, cached in ops:
+        cached = min(cached, n_slots)
         if op == "release":
             budget.release(name)
             held.pop(name, None)
             continue
         held.pop(name, None)  # a resize: its old share is not counted against it
-        others = sum(kb.cost(n) for n in held.values())
-        refusal = budget.reserve(name, n_slots)
-        fits = others + kb.cost(n_slots) <= limit
+        others = sum(kb.cost(*n) for n in held.values())
+        refusal = budget.reserve(name, n_slots, cached)
+        fits = others + kb.cost(n_slots, cached) <= limit
         assert (refusal is None) == fits, (others, n_slots, limit, refusal)
         if fits:
-            held[name] = n_slots
+            held[name] = (n_slots, cached)
         else:
-            short = others + kb.cost(n_slots) - limit
+            short = others + kb.cost(n_slots, cached) - limit
             assert "\n" not in refusal and "--kv-events.memory-bytes" in refusal
             assert f"raise --kv-events.memory-bytes by {short:,} " in refusal
             wider = kb.MemoryBudget(limit + short)
-            for other, slots in held.items():  # the same others, at the raised limit
-                assert wider.reserve(other, slots) is None
-            assert wider.reserve(name, n_slots) is None
-        assert budget.used() == sum(kb.cost(n) for n in held.values()) <= limit
+            for other, shape in held.items():  # the same others, at the raised limit
+                assert wider.reserve(other, *shape) is None
+            assert wider.reserve(name, n_slots, cached) is None
+        assert budget.used() == sum(kb.cost(*n) for n in held.values()) <= limit
 
 
 def test_the_default_admits_what_was_measured_within_64_mib() -> None:
@@ -81,6 +87,14 @@ def test_the_default_admits_what_was_measured_within_64_mib() -> None:
     assert two.reserve("a", 6_553) is None and two.reserve("b", 6_553) is None
     assert two.reserve("c", 0) is not None
     assert kb.MemoryBudget(kb.DEFAULT_BYTES).reserve("a", 1_000_000) is not None
+    # An agent's segment: what its engine can cache plus a ring's worth of slots, charged
+    # at attach for the blocks it can cache: one engine of up to 75,366 entries.
+    ring = kvl.DEFAULT_RING_CAP
+    assert kb.cacheable(75_366 + ring, ring) == 75_366
+    assert kb.MemoryBudget(kb.DEFAULT_BYTES).reserve("a", 75_366 + ring, 75_366) is None
+    assert kb.MemoryBudget(kb.DEFAULT_BYTES).reserve("a", 75_367 + ring, 75_367) is not None
+    assert kb.cacheable(100, 1 << 20) == 0  # a bigger ring forgives no more than the default
+    assert kb.cacheable(ring + 100, 1 << 20) == 100
 
 
 def _published(ctx: zmq.Context, replay: int) -> bool:
@@ -119,7 +133,7 @@ def test_a_segment_over_the_share_is_refused_in_one_line_and_admitted_when_it_fi
         assert _published(ctx, replay)  # rank 0
         second = kvm._writer(shm_dir, 10_000, "kvevents.b.dp1.tp0.pp0", 1)
         writers.append(second)
-        refused = "KV-event segment kvevents.b.dp1.tp0.pp0: 10,000 slots need"
+        refused = "KV-event segment kvevents.b.dp1.tp0.pp0: 10,000 slots, 0 cached, need"
         assert wait_for(lambda: refused in log.read_text(), timeout=30), log.read_text()
         assert not listening(port + 1) and not listening(replay + 1)
         # Retried every second: still refused, and said once.
@@ -146,3 +160,44 @@ def test_a_segment_over_the_share_is_refused_in_one_line_and_admitted_when_it_fi
         for pid in writers:
             os.kill(pid, signal.SIGKILL)
             os.waitpid(pid, 0)
+
+
+def test_a_full_state_past_its_charge_is_stopped_and_cleared(shm_dir: str) -> None:
+    """A writer of its own caching every slot, the ring's included: charged at attach for
+    none (its table is all ring), its full state finds 20,000 cached blocks; the share
+    holds 8,000 more than charged: the build stops before keeping more (nothing of the
+    segment's state kept, its share given back, said in one line), and with a share that
+    holds them all the same segment is published whole."""
+    name = "kvevents.over.dp0.tp0.pp0"
+    w = KVEventsWriter(name, n_slots=20_000, block_size=16, shm_dir=shm_dir)
+    tokens = list(range(16))
+    for i in range(20_000):
+        w.stored(i, i + 1, i if i % 64 else None, tokens)
+    for share, published in ((kb.cost(20_000, 8_000), False), (kb.cost(20_000), True)):
+        ctx = zmq.Context()
+        options = KVEventsOptions("tcp://127.0.0.1:0", memory_bytes=share)
+        pub = kz.RankPublisher(name, shm_dir, options, ctx)
+        sent: list[bytes] = []
+        remember = pub._remember
+        pub._remember = lambda seq, payload, sent=sent, remember=remember: (
+            sent.append(payload),
+            remember(seq, payload),
+        )[1]
+        try:
+            pub.poll_once()
+            if published:
+                assert pub.reader is not None and pub.error is None
+                assert pub.budget.used() == kb.cost(20_000)
+                assert pub.stats["resyncs"] == 1
+            else:
+                assert pub.reader is None and pub._state is None
+                assert pub.budget.used() == 0
+                assert pub.error is not None and "20,000 slots, 8," in pub.error
+                assert "raise --kv-events.memory-bytes by " in pub.error
+                assert pub.stats["resyncs"] == 0 and not sent  # nothing of it went out
+                pub.poll_once()  # not looked at again before OVER_RETRY_S
+                assert pub.reader is None and pub.stats["resyncs"] == 0
+        finally:
+            pub._close()
+            ctx.term()
+    w.close()
