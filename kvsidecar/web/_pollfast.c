@@ -494,8 +494,9 @@ static PyMethodDef methods[] = {
      "descriptor, serve the fast polls (each counted in its slot), hand back the rest."},
     {"native_floor", py_native_floor, METH_VARARGS,
      "native_floor(listen_fd, answer, seconds, most=0) -> (answers sent, thread CPU ns): "
-     "for `seconds` (or until `most` answers), with the GIL released, accept on the listening socket and send `answer` "
-     "for each request head read (no parse, no checks): the host's floor, for the bench."},
+     "for `seconds` (or until `most` answers), with the GIL released, accept on the "
+     "listening socket and send `answer` for each request head read (no parse, no checks): "
+     "the host's floor, for the bench."},
     {NULL, NULL, 0, NULL},
 };
 
