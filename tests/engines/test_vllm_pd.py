@@ -119,8 +119,13 @@ FIELDS = (
 
 
 def all_released(pair) -> bool:
+    """Free by both readings: kvsidecar's and vLLM's own. kvsidecar's alone may be the
+    daemon's last poll from before a hold began (CI, 2026-12-07: 0 requests read 0.1 s after
+    prefill answered, then a hold 0.11 s old), and vLLM's usage unchanged across the read
+    says only that vLLM did not move, not that it is free."""
     s = prefill_state(pair)
-    return s["deferred_free_requests"] == 0 and s["allocated_blocks"] == 0 and s["quiescent"]
+    free = s["deferred_free_requests"] == 0 and s["allocated_blocks"] == 0
+    return free and s["vllm_usage"] == 0 and s["quiescent"]
 
 
 def assert_all_free(pair, what: str) -> None:
