@@ -292,6 +292,16 @@ KV_EVENTS_MEMORY_BYTES = _s(
     DAEMON,
     flag="--kv-events.memory-bytes",
 )
+KV_EVENTS_MAX_CONNECTIONS = _s(
+    "KV_EVENTS_MAX_CONNECTIONS",
+    "int",
+    16,
+    "connections each KV-event socket admits (each rank's PUB, each rank's replay ROUTER); "
+    "past it, as many are held 3 s then retried, the rest closed (a libzmq client does not "
+    "retry those)",
+    DAEMON,
+    flag="--kv-events.max-connections",
+)
 KV_EVENTS_POLL_INTERVAL = _s(
     "KV_EVENTS_POLL_INTERVAL",
     "float",
@@ -326,6 +336,15 @@ LOAD_PUSH_POLL_INTERVAL = _s(
     "at the read that sees it, an unchanged one once a second",
     DAEMON,
     flag="--load-push.poll-interval",
+)
+LOAD_PUSH_MAX_CONNECTIONS = _s(
+    "LOAD_PUSH_MAX_CONNECTIONS",
+    "int",
+    16,
+    "connections each load-push PUB (one a rank) admits; past it, as many are held 3 s then "
+    "retried, the rest closed (a libzmq client does not retry those)",
+    DAEMON,
+    flag="--load-push.max-connections",
 )
 # -- OTLP push (kvsidecar/otlp/, docs/otlp.md; needs the kvsidecar[otlp] extra) ----------------
 OTLP_ENDPOINT = _s(

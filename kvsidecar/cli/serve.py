@@ -288,6 +288,19 @@ def _telemetry_path(value: str) -> str:
     ),
 )
 @click.option(
+    "--kv-events.max-connections",
+    "kv_events_max_connections",
+    type=click.IntRange(1, 100_000),
+    envvar=settings.KV_EVENTS_MAX_CONNECTIONS.name,
+    default=settings.KV_EVENTS_MAX_CONNECTIONS.default,
+    show_default=True,
+    help=(
+        "Connections each KV-event socket admits (each rank's PUB, each rank's replay "
+        "ROUTER); past it, as many are held 3 s and then retried, the rest closed with a "
+        "log line (docs/kv-events.md#limits)."
+    ),
+)
+@click.option(
     "--kv-events.poll-interval",
     "kv_events_poll_interval",
     type=click.FloatRange(0.001, 10),
@@ -323,6 +336,18 @@ def _telemetry_path(value: str) -> str:
     default=settings.LOAD_PUSH_POLL_INTERVAL.default,
     show_default=True,
     help="Seconds between reads of each rank (a changed LoadStat is sent at the read).",
+)
+@click.option(
+    "--load-push.max-connections",
+    "load_push_max_connections",
+    type=click.IntRange(1, 100_000),
+    envvar=settings.LOAD_PUSH_MAX_CONNECTIONS.name,
+    default=settings.LOAD_PUSH_MAX_CONNECTIONS.default,
+    show_default=True,
+    help=(
+        "Connections each load-push PUB (one a rank) admits; past it, as many are held 3 s "
+        "and then retried, the rest closed with a log line (docs/kv-events.md#limits)."
+    ),
 )
 @trust_options
 @click.option(

@@ -13,7 +13,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvsidecar.daemon.refusals import MAX_REFUSED, RECHECK_PER_SCAN, SUMMARY_INTERVAL
-from kvsidecar.settings import GATEWAY_STALE_AFTER, KV_EVENTS_MEMORY_BYTES
+from kvsidecar.settings import (
+    GATEWAY_STALE_AFTER,
+    KV_EVENTS_MAX_CONNECTIONS,
+    KV_EVENTS_MEMORY_BYTES,
+    LOAD_PUSH_MAX_CONNECTIONS,
+)
 
 if TYPE_CHECKING:
     from kvsidecar.daemon.budget import Budget
@@ -103,6 +108,8 @@ class KVEventsOptions:
     # What the publishers may take of the daemon's memory, all segments together
     # (kvsidecar/streams/kv_events_budget.py).
     memory_bytes: int = KV_EVENTS_MEMORY_BYTES.default
+    # Connections each PUB and each ROUTER admits (streams/zmq_admission.py).
+    max_connections: int = KV_EVENTS_MAX_CONNECTIONS.default
 
 
 @dataclass(frozen=True)
@@ -116,6 +123,7 @@ class LoadPushOptions:
     heartbeat: float = 1.0  # an unchanged LoadStat is re-sent this often (SGLang: 1 s)
     hwm: int = 8  # SGLang's LOAD_PUB_HWM: a gauge, the next one supersedes a shed one
     stale_after: float = GATEWAY_STALE_AFTER.default  # no progress this long: nothing sent
+    max_connections: int = LOAD_PUSH_MAX_CONNECTIONS.default  # each rank's PUB
 
 
 @dataclass(frozen=True)

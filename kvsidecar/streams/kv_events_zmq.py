@@ -48,6 +48,7 @@ from kvsidecar.streams.kv_events_wire import (
     signed_hashes,
     uses_signed_hashes,
 )
+from kvsidecar.streams.zmq_admission import ConnectionBudget
 
 log = logging.getLogger("kvsidecar.kv_events")
 
@@ -95,13 +96,18 @@ REFUSED_RETRY_S = 1.0
 OVER_RETRY_S = 30.0
 
 
-def open_pub(ctx: zmq.Context, endpoint: str | None, hwm: int) -> zmq.Socket:
-    """A bound PUB that never lingers and sheds at ``hwm`` (the KV-event and load streams)."""
+def open_pub(
+    ctx: zmq.Context, endpoint: str | None, hwm: int, admission: ConnectionBudget | None = None
+) -> zmq.Socket:
+    """A bound PUB that never lingers and sheds at ``hwm`` (the KV-event and load streams),
+    its connections counted by ``admission`` (the stream's budget) when given."""
     pub = ctx.socket(zmq.PUB)
     try:
         pub.set_hwm(hwm)
         pub.setsockopt(zmq.SNDBUF, SOCKET_SNDBUF)
         pub.setsockopt(zmq.LINGER, 0)
+        if admission is not None:
+            admission.guard(pub, str(endpoint))
         pub.bind(endpoint)
     except Exception:
         pub.close()
@@ -222,8 +228,10 @@ class RankPublisher:
         allowed_uids: frozenset[int] | None = None,
         clock: Callable[[], float] = time.time,
         budget: MemoryBudget | None = None,
+        admission: ConnectionBudget | None = None,
     ) -> None:
         self.name = name
+        self.admission = admission  # the service's connection budget (none: unbounded)
         # The daemon's publishers share one (kv_events_budget.py); alone, its own.
         self.budget = budget if budget is not None else MemoryBudget(options.memory_bytes)
         self._refused: str | None = None  # the refusal in force (logged when it began)
@@ -417,11 +425,15 @@ class RankPublisher:
         o = self.options
         self.dp_rank = dp_rank
         pub = open_pub(
-            self._ctx, offset_endpoint_port(o.endpoint, dp_rank), min(o.hwm, PUB_QUEUE_MSGS)
+            self._ctx,
+            offset_endpoint_port(o.endpoint, dp_rank),
+            min(o.hwm, PUB_QUEUE_MSGS),
+            self.admission,
         )
         try:
             replay = None
             if o.replay_endpoint:
+                replay_at = offset_endpoint_port(o.replay_endpoint, dp_rank)
                 replay = self._ctx.socket(zmq.ROUTER)
                 replay.setsockopt(zmq.LINGER, 0)
                 # A client's queue holds a few messages: the rest of its answer waits in
@@ -430,8 +442,10 @@ class RankPublisher:
                 replay.setsockopt(zmq.SNDHWM, REPLAY_QUEUE_MSGS)
                 replay.setsockopt(zmq.SNDBUF, SOCKET_SNDBUF)
                 replay.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a full queue says so: Again
+                if self.admission is not None:
+                    self.admission.guard(replay, replay_at)
                 try:
-                    replay.bind(offset_endpoint_port(o.replay_endpoint, dp_rank))
+                    replay.bind(replay_at)
                 except zmq.ZMQError:
                     replay.close()
                     raise
@@ -817,6 +831,9 @@ class KVEventsService:
         self.rediscover_interval = rediscover_interval
         self._ctx = zmq.Context()
         self.budget = MemoryBudget(options.memory_bytes)
+        self.admission = ConnectionBudget(
+            self._ctx, options.max_connections, "--kv-events.max-connections", "kv events"
+        )
         self.publishers: dict[str, RankPublisher] = {}
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -835,11 +852,13 @@ class KVEventsService:
                     self._ctx,
                     allowed_uids=self.allowed_uids,
                     budget=self.budget,
+                    admission=self.admission,
                 )
                 self.publishers[name] = pub
                 pub.start()
 
     def start(self) -> None:
+        self.admission.start()
         self.scan()
         self._thread = threading.Thread(target=self._run, name="kv-events-scan", daemon=True)
         self._thread.start()
@@ -854,4 +873,5 @@ class KVEventsService:
             self._thread.join(timeout=5)
         for pub in self.publishers.values():
             pub.stop()
+        self.admission.stop()
         self._ctx.term()

@@ -36,6 +36,7 @@ from kvsidecar.protocol import _seqlock, layout
 from kvsidecar.streams.kv_events_wire import offset_endpoint_port
 from kvsidecar.streams.kv_events_zmq import open_pub
 from kvsidecar.streams.load_stat_wire import LOAD_TOPIC, LoadStat, encode, load_stat
+from kvsidecar.streams.zmq_admission import ConnectionBudget
 
 log = logging.getLogger("kvsidecar.load_push")
 
@@ -115,6 +116,9 @@ class LoadPushService:
         self.options = options
         self._clock = clock
         self._ctx = zmq.Context()
+        self.admission = ConnectionBudget(
+            self._ctx, options.max_connections, "--load-push.max-connections", "load push"
+        )
         self.ranks: dict[int, RankLoad] = {}
         self.refused: dict[int, str] = {}  # ranks whose port could not be bound, and why
         self._version = -1
@@ -132,6 +136,7 @@ class LoadPushService:
         return out
 
     def start(self) -> None:
+        self.admission.start()
         self._thread = threading.Thread(target=self._run, name="load-push", daemon=True)
         self._thread.start()
 
@@ -141,6 +146,7 @@ class LoadPushService:
             self._thread.join(timeout=5)
         for rank in self.ranks.values():
             rank.pub.close(linger=0)
+        self.admission.stop()
         self._ctx.term()
 
     def _run(self) -> None:
@@ -191,7 +197,7 @@ class LoadPushService:
             return rank
         endpoint = offset_endpoint_port(self.options.endpoint, dp_rank)
         try:
-            pub = open_pub(self._ctx, endpoint, self.options.hwm)
+            pub = open_pub(self._ctx, endpoint, self.options.hwm, self.admission)
         except (zmq.ZMQError, ValueError) as e:
             self.refused[dp_rank] = f"cannot bind {endpoint}: {e}"
             log.warning("load push dp_rank %d: %s; not published", dp_rank, self.refused[dp_rank])
