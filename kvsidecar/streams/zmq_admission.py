@@ -41,7 +41,9 @@ docs/kv-events.md "Limits"):
 So a client or two past the limit (a router replaced while the old one is still
 connected) waits held and comes in when a place frees; a flood (more handshakes at once
 than the limit, or connections that never speak ZMTP) is closed, and what it costs stays
-bounded: at most twice the limit held.
+bounded: at most twice the limit held. The price: a client whose handshake comes while the
+limit of others wait (a flood's, or ones whose clients left before the daemon saw them
+close) is closed for good, and a held client whose retry comes then too.
 
 If this handler fails, its socket closes, and libzmq then finishes handshakes without
 asking (``ZMQ_ZAP_ENFORCE_DOMAIN`` unset): the streams stay served, unbounded, and the

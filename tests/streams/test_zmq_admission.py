@@ -243,6 +243,9 @@ def test_each_socket_admits_its_budget_and_a_held_client_takes_a_freed_place(
         assert f"--{stream}.max-connections={limit}" in lines[0]
         for s in subs:
             s.close(linger=0)
+        # Until the daemon saw them all close: a newcomer judged while the limit of others
+        # still wait (a flood's, closing) is closed for good (zmq_admission's module doc).
+        assert wait_for(lambda: _established(port) == 0, timeout=30)
 
         subs = _subscribe(ctx, port, limit + 1)
         first = _until_heard(subs, limit)
