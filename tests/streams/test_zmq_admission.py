@@ -237,7 +237,7 @@ def test_each_socket_admits_its_budget_and_a_held_client_takes_a_freed_place(
             time.sleep(0.2)
         assert max(connections) <= 2 * limit, connections
         if stream == "kv-events":
-            assert _replayed(ctx, f"tcp://127.0.0.1:{replay}")
+            kvm._wait_published(ctx, f"tcp://127.0.0.1:{replay}", timeout=60)  # answers
         lines = [line for line in log.read_text().splitlines() if "refused a connection" in line]
         assert len(lines) == 1, lines
         assert f"--{stream}.max-connections={limit}" in lines[0]
@@ -266,14 +266,3 @@ def test_each_socket_admits_its_budget_and_a_held_client_takes_a_freed_place(
             os.waitpid(writer_pid, 0)
         if load_writer is not None:
             load_writer.kill()
-
-
-def _replayed(ctx: zmq.Context, endpoint: str) -> bool:
-    c = ctx.socket(zmq.DEALER)
-    try:
-        c.setsockopt(zmq.LINGER, 0)
-        c.connect(endpoint)
-        c.send_multipart([b"", (0).to_bytes(8, "big")])
-        return bool(c.poll(30_000))
-    finally:
-        c.close(linger=0)
