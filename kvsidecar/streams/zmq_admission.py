@@ -45,6 +45,16 @@ bounded: at most twice the limit held. The price: a client whose handshake comes
 limit of others wait (a flood's, or ones whose clients left before the daemon saw them
 close) is closed for good, and a held client whose retry comes then too.
 
+A burst of handshakes costs memory before any is judged (libzmq accepts each and builds
+its engine and ZAP pipe, ~35-45 KiB), and what the burst freed stayed resident: the I/O
+thread frees it inside an arena the daemon's other threads do not allocate from (600-900
+subscribers at once left 6.9-9.7 MiB behind for good). So each guarded socket listens
+with a backlog of ``limit``: the rest of a burst waits in the kernel, its SYNs retried by
+the clients (1 s, 3 s, ...), and reaches libzmq in waves; and once connections have
+closed, the handler gives the free pages back (`malloc.release_free_memory`; when it has
+been quiet TRIM_QUIET_S, or TRIM_LATEST_S into a flood that never pauses, at most once
+every TRIM_EVERY_S).
+
 If this handler fails, its socket closes, and libzmq then finishes handshakes without
 asking (``ZMQ_ZAP_ENFORCE_DOMAIN`` unset): the streams stay served, unbounded, and the
 failure is logged.
@@ -54,12 +64,15 @@ from __future__ import annotations
 
 import itertools
 import logging
+import math
 import threading
 import time
 from collections import deque
 
 import zmq
 from zmq.utils.monitor import parse_monitor_message
+
+from kvsidecar.daemon import malloc
 
 log = logging.getLogger("kvsidecar.streams")
 
@@ -72,6 +85,10 @@ HANDSHAKE_S = 3.0
 WINDOW_S = HANDSHAKE_S + 0.5  # the handshake interval, and the handler's lag
 ADMIT, HOLD, CLOSE = b"200", b"300", b"400"
 SAY_EVERY_S = 60.0  # refusals are logged at most this often
+# Free memory given back after connections closed: once the handler has been quiet this
+# long, or this long after the first close of a flood that never pauses; never more often
+# than TRIM_EVERY_S (one walk of the arenas' free chunks, ~1 ms, the GIL released).
+TRIM_QUIET_S, TRIM_LATEST_S, TRIM_EVERY_S = 0.1, 0.5, 0.5
 MONITORED = zmq.EVENT_ACCEPTED | zmq.EVENT_DISCONNECTED | zmq.EVENT_MONITOR_STOPPED
 _ids = itertools.count()
 
@@ -136,6 +153,10 @@ class ConnectionBudget:
         self._by_monitor: dict[zmq.Socket, _Guarded] = {}
         self._adds: deque[tuple[bytes, str, str, threading.Event]] = deque()
         self._said_at = -SAY_EVERY_S  # time.monotonic() of the last refusal logged
+        self._closed_at: float | None = None  # the first close not yet given back
+        self._active_at = 0.0  # the handler's last event
+        self._trimmed_at = -TRIM_EVERY_S
+        self.trims = 0
         self._ready = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -164,6 +185,7 @@ class ConnectionBudget:
         domain = f"{self._name}.{n}".encode()
         sock.setsockopt(zmq.ZAP_DOMAIN, domain)
         sock.setsockopt(zmq.HANDSHAKE_IVL, int(HANDSHAKE_S * 1000))
+        sock.setsockopt(zmq.BACKLOG, self.limit)  # a burst waits in the kernel (module doc)
         endpoint = f"inproc://{self._name}.monitor.{n}"
         sock.monitor(endpoint, MONITORED)
         watching = threading.Event()
@@ -196,13 +218,16 @@ class ConnectionBudget:
             poller.register(wake, zmq.POLLIN)
             self._ready.set()
             while not self._stopping:
-                ready = dict(poller.poll())
+                ready = dict(poller.poll(self._until_trim_ms()))
+                if ready:
+                    self._active_at = time.monotonic()
                 if wake in ready:
                     self._take_adds(wake, poller)
                 for mon in [m for m in self._by_monitor if m in ready]:
                     self._drain(mon, poller)
                 if zap in ready:
                     self._answer(zap, poller)
+                self._trim()
         except Exception as e:  # a bug: fail open (libzmq admits without a handler)
             self.error = f"{type(e).__name__}: {e}"
             log.exception("%s connection budget failed: connections no longer counted", self.what)
@@ -214,6 +239,27 @@ class ConnectionBudget:
             self._by_domain.clear()
             zap.close(linger=0)
             wake.close(linger=0)
+
+    def _trim_due(self) -> float | None:
+        """When the handler gives back what closed connections freed (None: nothing to)."""
+        if self._closed_at is None:
+            return None
+        return max(
+            min(self._active_at + TRIM_QUIET_S, self._closed_at + TRIM_LATEST_S),
+            self._trimmed_at + TRIM_EVERY_S,
+        )
+
+    def _until_trim_ms(self) -> int | None:
+        due = self._trim_due()
+        return None if due is None else max(0, math.ceil((due - time.monotonic()) * 1000))
+
+    def _trim(self) -> None:
+        due = self._trim_due()
+        if due is None or time.monotonic() < due:
+            return
+        self._closed_at, self._trimmed_at = None, time.monotonic()
+        if malloc.release_free_memory():
+            self.trims += 1
 
     def _take_adds(self, wake: zmq.Socket, poller: zmq.Poller) -> None:
         while True:
@@ -244,6 +290,8 @@ class ConnectionBudget:
                 guarded.accepted(event["value"], time.monotonic())
             elif kind == zmq.EVENT_DISCONNECTED:
                 guarded.closed(event["value"])
+                if self._closed_at is None:
+                    self._closed_at = time.monotonic()
             elif kind == zmq.EVENT_MONITOR_STOPPED:  # its socket closed, and its connections
                 del self._by_monitor[mon]
                 self._by_domain = {d: g for d, g in self._by_domain.items() if g is not guarded}
