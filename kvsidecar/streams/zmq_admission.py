@@ -156,7 +156,6 @@ class ConnectionBudget:
         self._closed_at: float | None = None  # the first close not yet given back
         self._active_at = 0.0  # the handler's last event
         self._trimmed_at = -TRIM_EVERY_S
-        self.trims = 0
         self._ready = threading.Event()
         self._stopping = False
         self._thread: threading.Thread | None = None
@@ -258,8 +257,7 @@ class ConnectionBudget:
         if due is None or time.monotonic() < due:
             return
         self._closed_at, self._trimmed_at = None, time.monotonic()
-        if malloc.release_free_memory():
-            self.trims += 1
+        malloc.release_free_memory()
 
     def _take_adds(self, wake: zmq.Socket, poller: zmq.Poller) -> None:
         while True:

@@ -27,6 +27,7 @@ import zmq
 from kvsidecar.bench.fleet import free_port, stop_daemon
 from kvsidecar.streams import zmq_admission as za
 from tests.attacks import kv_events_memory as kvm
+from tests.attacks.all_readers import MB, _status
 from tests.support.procs import start_daemon, wait_for
 
 REPO = Path(__file__).resolve().parents[2]
@@ -276,11 +277,6 @@ def _listen_backlog(port: int) -> int:
     return int(out[2])  # State Recv-Q Send-Q Local Peer
 
 
-def _anon_mib(pid: int) -> float:
-    with open(f"/proc/{pid}/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("RssAnon")) / 1024
-
-
 def test_a_burst_of_handshakes_waits_in_the_kernel_and_leaves_nothing_resident(
     tmp_path: Path,
 ) -> None:
@@ -312,7 +308,7 @@ def test_a_burst_of_handshakes_waits_in_the_kernel_and_leaves_nothing_resident(
         kvm._wait_published(ctx, f"tcp://127.0.0.1:{replay}", timeout=60)
         assert _listen_backlog(port) == _listen_backlog(replay) == 16
         time.sleep(za.TRIM_EVERY_S + 1)  # the replay client's close given back
-        before = _anon_mib(daemon.pid)
+        before = _status(daemon.pid)["RssAnon"] / MB
         subs = _subscribe(ctx, port, 600)
         time.sleep(za.HANDSHAKE_S + 1)
         for s in subs:
@@ -322,7 +318,7 @@ def test_a_burst_of_handshakes_waits_in_the_kernel_and_leaves_nothing_resident(
         after: list[float] = []
 
         def back() -> bool:
-            after.append(_anon_mib(daemon.pid))
+            after.append(_status(daemon.pid)["RssAnon"] / MB)
             return after[-1] <= before + 2
 
         assert wait_for(back, timeout=15), (before, after[-3:])
