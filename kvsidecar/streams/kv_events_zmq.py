@@ -721,10 +721,13 @@ class RankPublisher:
 
     def _send_pending(self) -> None:
         """Send each pending answer's next messages while its client's queue takes them;
-        drop the answer of a client gone, or that took nothing for REPLAY_STALL_S."""
+        drop the answer of a client gone, or that took nothing for REPLAY_STALL_S.
+
+        Progress is stamped with the clock read after each send, never one read before:
+        encoding a state's first batch orders the whole table (seconds on a loaded host),
+        time the client's queue had no part in."""
         replay = self._replay
         assert replay is not None
-        now = time.monotonic()
         waiting = [p for p in self._pending.values() if p[2] == WAITING]
         if waiting and self._stream is None and self.reader is not None:
             self._stream = _StateStream(self.seq, self._state_batches())
@@ -735,19 +738,19 @@ class RankPublisher:
                 while pending[0]:
                     message = self._next_message(pending)
                     if message is None:  # waits for the slowest answer: not stalled
-                        pending[1] = now
+                        pending[1] = time.monotonic()
                         break
                     replay.send_multipart((client, b"", *message), flags=zmq.NOBLOCK, copy=False)
                     if pending[2] >= 0:
                         pending[2] += 1
                     else:
                         pending[0].pop()
-                    pending[1] = now
+                    pending[1] = time.monotonic()
                 else:
                     del self._pending[client]
                 continue
             except zmq.Again:  # its queue is full: the rest waits, unless it stalled
-                if now - pending[1] < REPLAY_STALL_S:
+                if time.monotonic() - pending[1] < REPLAY_STALL_S:
                     continue
             except zmq.ZMQError:  # EHOSTUNREACH: the client is gone
                 pass

@@ -25,6 +25,7 @@ import zmq
 
 from kvsidecar.bench.fleet import free_port, proc_stat, start_daemon, stop_daemon
 from kvsidecar.protocol.kv_events_writer import KVEventsWriter
+from tests.support.kv_chains import store_chains
 
 MB = 1024 * 1024
 NAME = "kvevents.mem.dp0.tp0.pp0"
@@ -42,9 +43,7 @@ def _writer(shm_dir: str, blocks: int, name: str = NAME, dp_rank: int = 0, spare
             seg = KVEventsWriter(
                 name, n_slots=blocks + spare, block_size=16, shm_dir=shm_dir, dp_rank=dp_rank
             )
-            tokens = list(range(16))
-            for i in range(blocks):
-                seg.stored(i, i + 1, i if i % 64 else None, tokens)
+            store_chains(seg, blocks)
             os.write(w, b"ok")
             while True:
                 time.sleep(0.1)

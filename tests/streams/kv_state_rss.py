@@ -19,6 +19,7 @@ import zmq
 from kvsidecar.daemon.config import KVEventsOptions
 from kvsidecar.protocol.kv_events_writer import KVEventsWriter
 from kvsidecar.streams import kv_events_zmq as kz
+from tests.support.kv_chains import store_chains
 
 NAME = "kvevents.rss.dp0.tp0.pp0"
 
@@ -30,9 +31,7 @@ def rss_anon() -> int:
 
 def main(shm_dir: str, blocks: int) -> None:
     w = KVEventsWriter(NAME, n_slots=blocks, block_size=16, shm_dir=shm_dir)
-    tokens = list(range(16))
-    for i in range(blocks):
-        w.stored(i, i + 1, i if i % 64 else None, tokens)
+    store_chains(w, blocks)
     ctx = zmq.Context()
     pub = kz.RankPublisher(
         NAME, shm_dir, KVEventsOptions("tcp://127.0.0.1:0", memory_bytes=1 << 40), ctx

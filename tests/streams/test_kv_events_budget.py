@@ -36,6 +36,7 @@ from kvsidecar.protocol.kv_events_writer import KVEventsWriter
 from kvsidecar.streams import kv_events_state
 from kvsidecar.streams import kv_events_zmq as kz
 from kvsidecar.streams.kv_events_wire import KVEventBatch
+from tests.support.kv_chains import TOKENS, store_chains
 
 BATCH_BYTES = 8 * 1024  # kv_events_state.BATCH_BYTES (main has none)
 SNDBUF = 64 * 1024  # kv_events_zmq.SOCKET_SNDBUF (main has none)
@@ -104,9 +105,7 @@ def _kernel_send_bytes(port: int) -> list[int]:
 def test_every_batch_is_bounded_in_bytes(shm_dir: str) -> None:
     name = "kvevents.batches.dp0.tp0.pp0"
     w = KVEventsWriter(name, n_slots=6000, block_size=16, shm_dir=shm_dir)
-    tokens = list(range(16))
-    for i in range(3000):
-        w.stored(i, i + 1, i if i % 64 else None, tokens)
+    store_chains(w, 3000)
     ctx = zmq.Context()
     pub = kz.RankPublisher(
         name, shm_dir, KVEventsOptions("tcp://127.0.0.1:0", memory_bytes=1 << 40), ctx
@@ -118,9 +117,9 @@ def test_every_batch_is_bounded_in_bytes(shm_dir: str) -> None:
         pub.poll_once()  # the full state
         full = len(sent)
         for i in range(3000, 4500):  # live, one poll's records: 1,500 one-block events
-            w.stored(i, i + 1, None, tokens)
+            w.stored(i, i + 1, None, TOKENS)
         for i in range(4500, 6000):  # and one run of 1,500 blocks (one event over the cap)
-            w.stored(i, i + 1, i if i > 4500 else None, tokens)
+            w.stored(i, i + 1, i if i > 4500 else None, TOKENS)
         pub.poll_once()
         pub._publish_held(pub.reader)  # type: ignore[arg-type]
         assert full > 1 and len(sent) > full
@@ -142,9 +141,7 @@ def test_every_batch_is_bounded_in_bytes(shm_dir: str) -> None:
 def _build_peak(shm_dir: str, blocks: int) -> int:
     name = f"kvevents.peak{blocks}.dp0.tp0.pp0"
     w = KVEventsWriter(name, n_slots=blocks, block_size=16, shm_dir=shm_dir)
-    tokens = list(range(16))
-    for i in range(blocks):
-        w.stored(i, i + 1, i if i % 64 else None, tokens)
+    store_chains(w, blocks)
     r = KVEventsReader(name, shm_dir=shm_dir)
     assert r.attach() is None
     tracemalloc.start()

@@ -30,6 +30,7 @@ from kvsidecar.streams import kv_events_budget as kb
 from kvsidecar.streams import kv_events_zmq as kz
 from tests.attacks import kv_events_memory as kvm
 from tests.attacks.all_readers import listening
+from tests.support.kv_chains import store_chains
 from tests.support.procs import start_daemon, wait_for
 
 OPS = st.lists(
@@ -170,9 +171,7 @@ def test_a_full_state_past_its_charge_is_stopped_and_cleared(shm_dir: str) -> No
     holds them all the same segment is published whole."""
     name = "kvevents.over.dp0.tp0.pp0"
     w = KVEventsWriter(name, n_slots=20_000, block_size=16, shm_dir=shm_dir)
-    tokens = list(range(16))
-    for i in range(20_000):
-        w.stored(i, i + 1, i if i % 64 else None, tokens)
+    store_chains(w, 20_000)
     for share, published in ((kb.cost(20_000, 8_000), False), (kb.cost(20_000), True)):
         ctx = zmq.Context()
         options = KVEventsOptions("tcp://127.0.0.1:0", memory_bytes=share)

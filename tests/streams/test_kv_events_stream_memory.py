@@ -25,6 +25,7 @@ from kvsidecar.daemon.config import KVEventsOptions
 from kvsidecar.protocol.kv_events_writer import KVEventsWriter
 from kvsidecar.streams import kv_events_zmq as kz
 from kvsidecar.streams.kv_events_wire import KVEventBatch
+from tests.support.kv_chains import store_chains
 
 NAME = "kvevents.stream.dp0.tp0.pp0"
 BLOCKS = 40_000
@@ -42,9 +43,7 @@ def test_the_full_state_is_never_held_whole(shm_dir: str, monkeypatch) -> None: 
     monkeypatch.setattr(kz, "REPLAY_BUFFER_BYTES", SMALL)
     monkeypatch.setattr(kz, "STATE_WINDOW_BYTES", SMALL, raising=False)
     w = KVEventsWriter(NAME, n_slots=BLOCKS, block_size=16, shm_dir=shm_dir)
-    tokens = list(range(16))
-    for i in range(BLOCKS):  # chains of 64 blocks
-        w.stored(i, i + 1, i if i % 64 else None, tokens)
+    store_chains(w, BLOCKS)
     ctx = zmq.Context()
     port, replay_port = free_port(), free_port()
     options = KVEventsOptions(
