@@ -96,10 +96,10 @@ def _ask_full_state(pub: kz.RankPublisher, c: zmq.Socket) -> None:
     assert pub._pending
 
 
-def _read(c: zmq.Socket, most: int | None = None) -> tuple[int, set[bytes], bool]:
+def _read(c: zmq.Socket, most: int) -> tuple[int, set[bytes], bool]:
     """Events and sequences read (at most ``most`` messages), and whether the end came."""
     stored, seqs, n = 0, set(), 0
-    while (most is None or n < most) and c.poll(2_000):
+    while n < most and c.poll(2_000):
         frames = c.recv_multipart()
         if frames[2] == kz.END_SEQ:
             return stored, seqs, True
