@@ -13,17 +13,20 @@ setup(
         Extension(
             "kvsidecar.protocol._seqlock",
             sources=["kvsidecar/protocol/_seqlock.c"],
+            depends=["kvsidecar/protocol/_seqlock_api.h"],
             extra_compile_args=["-O2", "-std=c11", "-Wall", "-Wextra"],
         ),
         Extension(
             "kvsidecar.web._pollfast",
             sources=["kvsidecar/web/_pollfast.c"],
+            depends=["kvsidecar/protocol/_seqlock_api.h", "kvsidecar/web/_pollfast_api.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
             optional=True,
         ),
         Extension(
             "kvsidecar.daemon._gatewaystep",
             sources=["kvsidecar/daemon/_gatewaystep.c"],
+            depends=["kvsidecar/protocol/_seqlock_api.h", "kvsidecar/web/_pollfast_api.h"],
             extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wextra"],
             optional=True,
         ),

@@ -392,6 +392,8 @@ def test_make_dist_builds_an_installable_wheel_and_sdist(tmp_path: Path) -> None
         "pyproject.toml",
         "kvsidecar/protocol/_seqlock.c",
         "kvsidecar/web/_pollfast.c",
+        "kvsidecar/protocol/_seqlock_api.h",  # the C API the other extensions include
+        "kvsidecar/web/_pollfast_api.h",
         "agent/pool.py",
     ):
         assert needed in names, needed

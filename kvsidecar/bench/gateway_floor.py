@@ -63,7 +63,6 @@ from kvsidecar.daemon import gateway as gw
 from kvsidecar.daemon.config import Discovery, Polling
 from kvsidecar.daemon.target import Target
 from kvsidecar.daemon.targets import TargetSet
-from kvsidecar.protocol import _seqlock
 from kvsidecar.web import poll_server
 from kvsidecar.web.poll_server import PollServer
 
@@ -208,12 +207,10 @@ def constant_route() -> Callable[[str], tuple]:
     floor (its word a constant 0 in a buffer of our own)."""
     answer = (200, b"# TYPE floor gauge\nfloor 1.0\n", "text/plain; version=0.0.4", b"")
     slot = poll_server.FastSlot()
-    slot.load, slot.mm, slot.off, slot.seq = _seqlock.kv_load_u64, bytearray(16), 0, 0
-    slot.until, slot.counts, slot.key = float("inf"), {"ok": 0}, "ok"
+    slot.mm, slot.off, slot.seq, slot.until = bytearray(16), 0, 0, float("inf")
     slot.answer = answer
 
     def route(path: str) -> tuple:
-        slot.counts["ok"] += 1
         return answer
 
     route.fast_slot = slot  # type: ignore[attr-defined]

@@ -10,10 +10,15 @@
  * check decided (its header and payload bytes, the body's text around its numbers) and
  * decides a new step against it:
  *
- *   1. every `every` seconds, the probes of the full check: the path still names the
- *      mapped file (lstat: its inode), the file is not shorter than the mapping (fstat),
- *      the writer holds its OFD lock (fcntl F_OFD_GETLK). The reader must still hold
- *      this map and descriptor (checked under the GIL, which the poller's re-attach needs);
+ *   1. every `every` seconds, the probes of the full check, on the descriptor: the
+ *      mapped file still has a name and is not shorter than the mapping (one fstat: a
+ *      segment unlinked, or replaced by a rename over its name, has no link left), the
+ *      writer holds its OFD lock (fcntl F_OFD_GETLK). The full check looks the path up
+ *      (lstat: its inode); a path walk cost the listener 10 us a probe, cold, so the one
+ *      case only it sees (the name given to another file while this one keeps a second
+ *      link elsewhere) is left to the poller's own probe: its re-attach, within a poll
+ *      cycle, gives the reader another map. The reader must still hold this map and
+ *      descriptor (checked under the GIL, which the poller's re-attach needs);
  *   2. one seqlock read (`_seqlock.read_latest`, the guarded copy: a SIGBUS is a status),
  *      on the first attempt;
  *   3. the 256-byte header equal to the checked one outside the bytes that move at each
@@ -47,11 +52,18 @@
 #include <fcntl.h>
 #include <stdint.h>
 #include <stdio.h>
+#include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include "../protocol/_seqlock_api.h"
+#include "../web/_pollfast_api.h"
+
 #define HEADER_LEN 256
+#define OFF_SLOT_CAPACITY 200 /* layout.OFF_SLOT_CAPACITY (tested beside _seqlock's) */
+#define SLOT_HEADER_LEN 16
+#define MAX_SLOT (64u << 20) /* a larger slot capacity is read through Python */
 #define MAX_DEPTH 8      /* a snapshot nests 3 deep; deeper is not ours: refused */
 #define EXACT (1ULL << 53) /* integers a double holds exactly */
 
@@ -70,7 +82,6 @@ typedef struct {
     PyObject *parts;    /* tuple of bytes | int (NUM_*): the body */
     PyObject *start;    /* bytes: the status line, headers, "Content-Length: " */
     PyObject *step_head; /* bytes: "Kvsidecar-Step: " */
-    PyObject *path;     /* bytes: the segment's path */
     PyObject *read_args[3]; /* (mm, retries, -1): read_latest's, built once */
     unsigned long long rt_volatile, pool_volatile; /* field bitmasks */
     int f_step, f_running, f_waiting;            /* runtime field indices */
@@ -89,7 +100,19 @@ typedef struct {
     uint64_t beat;
     int beat_off;    /* the heartbeat's offset in the header */
     unsigned long long built; /* answers built here */
+    /* The read in C (`read` is _seqlock.read_latest: through its C API, into these):
+     * the header, the payload (the slot's capacity + its header), the response. */
+    int c_read;
+    uint8_t hdr[HEADER_LEN];
+    uint8_t *pay;
+    size_t pay_cap;
+    char *out;
+    size_t out_cap;
+    Py_ssize_t out_len;
 } Step;
+
+static const KvsSeqlockAPI *seqlock; /* the C API of kvsidecar.protocol._seqlock */
+static PyObject *read_latest_py;     /* _seqlock.read_latest: `read` that means "in C" */
 
 /* ------------------------------ MessagePack ------------------------------ */
 
@@ -235,7 +258,6 @@ static int step_clear(Step *s) {
     Py_CLEAR(s->parts);
     Py_CLEAR(s->start);
     Py_CLEAR(s->step_head);
-    Py_CLEAR(s->path);
     Py_CLEAR(s->read_args[0]);
     Py_CLEAR(s->read_args[1]);
     Py_CLEAR(s->read_args[2]);
@@ -245,23 +267,24 @@ static int step_clear(Step *s) {
 static void step_dealloc(Step *s) {
     PyObject_GC_UnTrack(s);
     step_clear(s);
+    PyMem_Free(s->pay);
+    PyMem_Free(s->out);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
 static int step_init(Step *s, PyObject *args, PyObject *kw) {
     static char *names[] = {"read", "reader", "mm", "header", "free", "payload", "sized",
-                            "parts", "start", "step_head", "path", "rt_volatile",
+                            "parts", "start", "step_head", "rt_volatile",
                             "pool_volatile", "fields", "usage", "usage_digits", "retries",
                             "fd", "inode", "size", "every", "stale_after", "probed",
                             "progress", "seq", "beat", "beat_off", NULL};
-    PyObject *read, *reader, *mm, *header, *free_, *payload, *sized, *parts, *start, *step_head,
-        *path;
+    PyObject *read, *reader, *mm, *header, *free_, *payload, *sized, *parts, *start, *step_head;
     unsigned long long rt_v, pool_v, inode, seq, beat;
     long long size;
     int f[6];
     if (!PyArg_ParseTupleAndKeywords(
-            args, kw, "$OOOSSSSO!SSSKK(iiiiii)iiiiKLddddKKi", names, &read, &reader, &mm, &header,
-            &free_, &payload, &sized, &PyTuple_Type, &parts, &start, &step_head, &path, &rt_v,
+            args, kw, "$OOOSSSSO!SSKK(iiiiii)iiiiKLddddKKi", names, &read, &reader, &mm, &header,
+            &free_, &payload, &sized, &PyTuple_Type, &parts, &start, &step_head, &rt_v,
             &pool_v, &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &s->usage, &s->usage_digits,
             &s->retries, &s->fd, &inode, &size, &s->every, &s->stale_after, &s->probed,
             &s->progress, &seq, &beat, &s->beat_off))
@@ -289,7 +312,6 @@ static int step_init(Step *s, PyObject *args, PyObject *kw) {
     s->parts = Py_NewRef(parts);
     s->start = Py_NewRef(start);
     s->step_head = Py_NewRef(step_head);
-    s->path = Py_NewRef(path);
     s->read_args[0] = Py_NewRef(mm);
     s->read_args[1] = PyLong_FromLong(s->retries);
     s->read_args[2] = PyLong_FromLong(-1);
@@ -306,6 +328,20 @@ static int step_init(Step *s, PyObject *args, PyObject *kw) {
     s->size = size;
     s->seq = seq;
     s->beat = beat;
+    /* The payload's room: the checked slot's capacity (the header is checked equal at
+     * every step, so it is this segment's for the Step's life). */
+    uint32_t cap;
+    memcpy(&cap, PyBytes_AS_STRING(header) + OFF_SLOT_CAPACITY, 4);
+    s->c_read = read == read_latest_py && seqlock != NULL && cap <= MAX_SLOT;
+    if (s->c_read) {
+        PyMem_Free(s->pay);
+        s->pay_cap = (size_t)cap + SLOT_HEADER_LEN;
+        s->pay = PyMem_Malloc(s->pay_cap);
+        if (s->pay == NULL) {
+            PyErr_NoMemory();
+            return -1;
+        }
+    }
     return 0;
 }
 
@@ -330,12 +366,12 @@ static int still_held(Step *s) {
     return v == s->fd;
 }
 
-/* The full check's probes: the name, the size, the writer's lock. */
+/* The full check's probes on the descriptor: a name, the size, the writer's lock. */
 static int probes_pass(Step *s) {
     struct stat st;
-    if (lstat(PyBytes_AS_STRING(s->path), &st) != 0 || (unsigned long long)st.st_ino != s->inode)
+    if (fstat(s->fd, &st) != 0 || (unsigned long long)st.st_ino != s->inode ||
+        st.st_nlink == 0 || st.st_size < s->size)
         return 0;
-    if (fstat(s->fd, &st) != 0 || st.st_size < s->size) return 0;
     struct flock fl;
     memset(&fl, 0, sizeof fl);
     fl.l_type = F_WRLCK;
@@ -345,9 +381,8 @@ static int probes_pass(Step *s) {
 }
 
 /* The header moved only where it may. */
-static int header_same(Step *s, PyObject *raw) {
-    if (!PyBytes_Check(raw) || PyBytes_GET_SIZE(raw) != HEADER_LEN) return 0;
-    const char *a = PyBytes_AS_STRING(raw), *b = PyBytes_AS_STRING(s->header);
+static int header_same(Step *s, const uint8_t *raw) {
+    const char *a = (const char *)raw, *b = PyBytes_AS_STRING(s->header);
     const char *fr = PyBytes_AS_STRING(s->free);
     for (int i = 0; i < HEADER_LEN; i++) {
         if (a[i] != b[i] && !fr[i]) return 0;
@@ -361,10 +396,9 @@ typedef struct {
 } Numbers;
 
 /* The payload beside the checked one (step 4 above), and the numbers the body prints. */
-static int walk(Step *s, PyObject *payload, Numbers *out) {
-    if (!PyBytes_Check(payload)) return 0;
-    const uint8_t *np = (const uint8_t *)PyBytes_AS_STRING(payload);
-    const uint8_t *nend = np + PyBytes_GET_SIZE(payload);
+static int walk(Step *s, const uint8_t *payload, size_t len, Numbers *out) {
+    const uint8_t *np = payload;
+    const uint8_t *nend = np + len;
     const uint8_t *bp = (const uint8_t *)PyBytes_AS_STRING(s->payload);
     const uint8_t *bend = bp + PyBytes_GET_SIZE(s->payload);
     int64_t top = mp_array(&np, nend);
@@ -405,7 +439,13 @@ static int walk(Step *s, PyObject *payload, Numbers *out) {
     default: usage = 0.0;
     }
     if (s->usage != USAGE_NONE && !(usage >= 0.0 && usage <= 1.0)) usage = 1.0;
-    if (s->usage_digits >= 0 && s->usage != USAGE_NONE) {
+    if (s->usage_digits >= 0 && s->usage_digits <= 15 && s->usage != USAGE_NONE) {
+        /* Python's round(x, n): the exact binary value rounded half-even to n decimals,
+         * read back; glibc's %.nf rounds the exact value the same way (tested). */
+        char text[32];
+        snprintf(text, sizeof text, "%.*f", s->usage_digits, usage);
+        usage = strtod(text, NULL);
+    } else if (s->usage_digits >= 0 && s->usage != USAGE_NONE) {
         PyObject *f = PyFloat_FromDouble(usage);
         if (f == NULL) return -1;
         PyObject *digits = PyLong_FromLong(s->usage_digits);
@@ -425,12 +465,33 @@ static int walk(Step *s, PyObject *payload, Numbers *out) {
 /* repr(float(v)), as gateway_body._number prints it (v finite here). */
 static char *number(double v) { return PyOS_double_to_string(v, 'r', 0, Py_DTSF_ADD_DOT_0, NULL); }
 
-/* The response: start, Content-Length, the step header, the body with its numbers. */
-static PyObject *render(Step *s, const Numbers *n) {
-    char *text[3] = {number((double)n->waiting), number((double)n->running), number(n->usage)};
-    PyObject *out = NULL;
-    char *body = NULL;
-    if (text[0] == NULL || text[1] == NULL || text[2] == NULL) goto done;
+/* Decimal digits of v at the end of buf[0, 24): their start. */
+static char *digits(uint64_t v, char *end) {
+    do {
+        *--end = (char)('0' + v % 10);
+        v /= 10;
+    } while (v);
+    return end;
+}
+
+/* repr(float(n)) of a count below 2^53 (< 1e16, so never an exponent): "n.0", at the
+ * end of buf[0, 24), NUL-terminated: its start. */
+static char *count_text(uint64_t n, char *buf) {
+    char *end = buf + 24 - 3;
+    char *start = digits(n, end);
+    memcpy(end, ".0", 3);
+    return start;
+}
+
+/* The response into s->out: start, Content-Length, the step header, the body with its
+ * numbers. 0, or -1 with an exception set. */
+static int render(Step *s, const Numbers *n) {
+    char waiting[24], running[24];
+    char *usage = number(n->usage);
+    const char *text[3] = {count_text(n->waiting, waiting), count_text(n->running, running),
+                           usage};
+    int rc = -1;
+    if (usage == NULL) goto done;
     Py_ssize_t len = 0;
     Py_ssize_t parts = PyTuple_GET_SIZE(s->parts);
     for (Py_ssize_t i = 0; i < parts; i++) {
@@ -439,110 +500,184 @@ static PyObject *render(Step *s, const Numbers *n) {
             len += PyBytes_GET_SIZE(p);
         } else {
             long k = PyLong_AsLong(p);
-            if (k < 0 || k > 2) goto done;
+            if (k < 0 || k > 2) {
+                if (!PyErr_Occurred()) PyErr_SetString(PyExc_ValueError, "a part's number");
+                goto done;
+            }
             len += (Py_ssize_t)strlen(text[k]);
         }
     }
-    body = PyMem_Malloc((size_t)len + 1);
-    if (body == NULL) goto done;
-    char *w = body;
+    /* "<length>\r\n" and "<step>\r\n\r\n", without printf's machinery. */
+    char lbuf[32], sbuf[32];
+    char *lengths = digits((uint64_t)len, lbuf + sizeof lbuf - 2);
+    memcpy(lbuf + sizeof lbuf - 2, "\r\n", 2);
+    int m = (int)(lbuf + sizeof lbuf - lengths);
+    char *step = digits(n->step, sbuf + sizeof sbuf - 4);
+    memcpy(sbuf + sizeof sbuf - 4, "\r\n\r\n", 4);
+    int k = (int)(sbuf + sizeof sbuf - step);
+    Py_ssize_t a = PyBytes_GET_SIZE(s->start), b = PyBytes_GET_SIZE(s->step_head);
+    size_t need = (size_t)(a + m + b + k + len);
+    if (need > s->out_cap) {
+        char *grown = PyMem_Realloc(s->out, need);
+        if (grown == NULL) {
+            PyErr_NoMemory();
+            goto done;
+        }
+        s->out = grown;
+        s->out_cap = need;
+    }
+    char *w = s->out;
+    memcpy(w, PyBytes_AS_STRING(s->start), (size_t)a);
+    memcpy(w += a, lengths, (size_t)m);
+    memcpy(w += m, PyBytes_AS_STRING(s->step_head), (size_t)b);
+    memcpy(w += b, step, (size_t)k);
+    w += k;
     for (Py_ssize_t i = 0; i < parts; i++) {
         PyObject *p = PyTuple_GET_ITEM(s->parts, i);
         const char *src;
-        size_t m;
+        size_t len_i;
         if (PyBytes_Check(p)) {
             src = PyBytes_AS_STRING(p);
-            m = (size_t)PyBytes_GET_SIZE(p);
+            len_i = (size_t)PyBytes_GET_SIZE(p);
         } else {
             src = text[PyLong_AsLong(p)];
-            m = strlen(src);
+            len_i = strlen(src);
         }
-        memcpy(w, src, m);
-        w += m;
+        memcpy(w, src, len_i);
+        w += len_i;
     }
-    char lengths[64];
-    int m = snprintf(lengths, sizeof lengths, "%zd\r\n", len);
-    char step[40];
-    int k = snprintf(step, sizeof step, "%llu\r\n\r\n", (unsigned long long)n->step);
-    Py_ssize_t a = PyBytes_GET_SIZE(s->start), b = PyBytes_GET_SIZE(s->step_head);
-    out = PyBytes_FromStringAndSize(NULL, a + m + b + k + len);
-    if (out != NULL) {
-        w = PyBytes_AS_STRING(out);
-        memcpy(w, PyBytes_AS_STRING(s->start), (size_t)a);
-        memcpy(w += a, lengths, (size_t)m);
-        memcpy(w += m, PyBytes_AS_STRING(s->step_head), (size_t)b);
-        memcpy(w += b, step, (size_t)k);
-        memcpy(w + k, body, (size_t)len);
-    }
+    s->out_len = (Py_ssize_t)need;
+    rc = 0;
 done:
-    for (int i = 0; i < 3; i++) PyMem_Free(text[i]);
-    PyMem_Free(body);
-    return out;
+    PyMem_Free(usage);
+    return rc;
 }
 
-/* step(now) -> (response bytes, seq, until) | None: see the module. Called for a moved
- * word, and for an unchanged one whose answer's window ended (a quiet engine: progress is
- * then its heartbeat). */
-static PyObject *step_call(Step *s, PyObject *args, PyObject *kw) {
-    double now;
-    if (!PyArg_ParseTuple(args, "d", &now) || (kw != NULL && PyDict_GET_SIZE(kw) > 0)) {
-        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "step(now)");
-        return NULL;
-    }
-    if (!still_held(s)) Py_RETURN_NONE;
-    if (now >= s->probed) {
-        if (!probes_pass(s)) Py_RETURN_NONE;
-        s->probed = now + s->every;
+/* The latest snapshot as the full check would read it: 1 with *hdr, *pay, *n, *seq set,
+ * 0 when it is not a first-attempt OK read (the full check counts retries and words
+ * errors), -1 with an exception set. In C (`c_read`) into the Step's buffers, from the
+ * map's buffer held for the read; else through `read` (a test's stand-in). */
+static int read_now(Step *s, PyObject **held, const uint8_t **hdr, const uint8_t **pay,
+                    size_t *n, uint64_t *seq) {
+    if (s->c_read) {
+        Py_buffer view;
+        if (PyObject_GetBuffer(s->mm, &view, PyBUF_SIMPLE) < 0) {
+            PyErr_Clear(); /* closed: the Python path decides */
+            return 0;
+        }
+        uint32_t got = 0;
+        int attempts = 0;
+        int status = seqlock->read_latest(view.buf, (size_t)view.len, s->retries, s->hdr,
+                                          s->pay, s->pay_cap, seq, &got, &attempts);
+        PyBuffer_Release(&view);
+        if (status != 0 || attempts != 1) return 0;
+        *hdr = s->hdr;
+        *pay = s->pay;
+        *n = got;
+        return 1;
     }
     PyObject *r = PyObject_Vectorcall(s->read, s->read_args, 3, NULL);
     if (r == NULL) { /* an unmapped or re-attached map: the Python path decides */
         PyErr_Clear();
-        Py_RETURN_NONE;
+        return 0;
     }
-    PyObject *result = NULL;
-    Numbers n;
-    int ok;
+    *held = r;
     /* (status, seq, header, payload, attempts): OK (0) on the first attempt. */
     if (!PyTuple_Check(r) || PyTuple_GET_SIZE(r) != 5 ||
         PyLong_AsLong(PyTuple_GET_ITEM(r, 0)) != 0 || PyLong_AsLong(PyTuple_GET_ITEM(r, 4)) != 1 ||
-        !header_same(s, PyTuple_GET_ITEM(r, 2))) {
+        !PyBytes_Check(PyTuple_GET_ITEM(r, 2)) || PyBytes_GET_SIZE(PyTuple_GET_ITEM(r, 2)) != HEADER_LEN ||
+        !PyBytes_Check(PyTuple_GET_ITEM(r, 3))) {
         PyErr_Clear();
-        goto none;
+        return 0;
     }
-    ok = walk(s, PyTuple_GET_ITEM(r, 3), &n);
-    if (ok < 0) goto done;
-    if (ok == 0) goto none;
+    unsigned long long v = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(r, 1));
+    if (v == (unsigned long long)-1 && PyErr_Occurred()) return -1;
+    *seq = v;
+    *hdr = (const uint8_t *)PyBytes_AS_STRING(PyTuple_GET_ITEM(r, 2));
+    *pay = (const uint8_t *)PyBytes_AS_STRING(PyTuple_GET_ITEM(r, 3));
+    *n = (size_t)PyBytes_GET_SIZE(PyTuple_GET_ITEM(r, 3));
+    return 1;
+}
+
+/* The answer for `now`, in s->out (see the module): 1 built, 0 declined, -1 an error
+ * (an exception set). Called for a moved word, and for an unchanged one whose answer's
+ * window ended (a quiet engine: progress is then its heartbeat). */
+static int step_advance(Step *s, double now, uint64_t *seq_out, double *until) {
+    if (!still_held(s)) return 0;
+    if (now >= s->probed) {
+        if (!probes_pass(s)) return 0;
+        s->probed = now + s->every;
+    }
+    PyObject *held = NULL;
+    const uint8_t *hdr, *pay;
+    size_t n;
+    uint64_t seq;
+    Numbers num;
+    int rc = read_now(s, &held, &hdr, &pay, &n, &seq);
+    if (rc <= 0) goto done;
+    rc = 0;
+    if (!header_same(s, hdr)) goto done;
+    rc = walk(s, pay, n, &num);
+    if (rc <= 0) goto done;
+    rc = 0;
     /* Progress as the full check counts it (Target._still_for): the sequence or the
-     * heartbeat moved, on the daemon's clock. None past the gateway's bound: the full
-     * check answers that 503 and words it. */
-    unsigned long long seq = PyLong_AsUnsignedLongLong(PyTuple_GET_ITEM(r, 1));
-    if (seq == (unsigned long long)-1 && PyErr_Occurred()) goto done;
+     * heartbeat moved, on the daemon's clock. Declined past the gateway's bound: the
+     * full check answers that 503 and words it. */
     uint64_t beat;
-    memcpy(&beat, PyBytes_AS_STRING(PyTuple_GET_ITEM(r, 2)) + s->beat_off, 8);
+    memcpy(&beat, hdr + s->beat_off, 8);
     if (seq != s->seq || beat != s->beat) {
         s->seq = seq;
         s->beat = beat;
         s->progress = now;
     }
     double still = now - s->progress;
-    if (!(still <= s->stale_after)) goto none;
+    if (!(still <= s->stale_after)) goto done;
     double left = s->stale_after - still;
-    PyObject *out = render(s, &n);
-    if (out == NULL) goto done;
+    if (render(s, &num) < 0) {
+        rc = -1;
+        goto done;
+    }
     s->built++;
-    result = Py_BuildValue("(NOd)", out, PyTuple_GET_ITEM(r, 1),
-                           now + (left < s->every ? left : s->every));
-    goto done;
-none:
-    result = Py_NewRef(Py_None);
+    *seq_out = seq;
+    *until = now + (left < s->every ? left : s->every);
+    rc = 1;
 done:
-    Py_DECREF(r);
-    return result;
+    Py_XDECREF(held);
+    return rc;
+}
+
+/* The listener's entry (_pollfast_api.h): the response stays in the Step's buffer. */
+static int advance_c(PyObject *self, double now, const char **out, Py_ssize_t *len,
+                     uint64_t *seq, double *until) {
+    Step *s = (Step *)self;
+    int rc = step_advance(s, now, seq, until);
+    if (rc == 1) {
+        *out = s->out;
+        *len = s->out_len;
+    }
+    return rc;
+}
+
+/* step(now) -> (response bytes, seq, until) | None: step_advance from Python. */
+static PyObject *step_call(Step *s, PyObject *args, PyObject *kw) {
+    double now;
+    if (!PyArg_ParseTuple(args, "d", &now) || (kw != NULL && PyDict_GET_SIZE(kw) > 0)) {
+        if (!PyErr_Occurred()) PyErr_SetString(PyExc_TypeError, "step(now)");
+        return NULL;
+    }
+    uint64_t seq;
+    double until;
+    int rc = step_advance(s, now, &seq, &until);
+    if (rc < 0) return NULL;
+    if (rc == 0) Py_RETURN_NONE;
+    return Py_BuildValue("(y#Kd)", s->out, s->out_len, (unsigned long long)seq, until);
 }
 
 static PyMemberDef step_members[] = {
     {"probed", T_DOUBLE, offsetof(Step, probed), 0, "monotonic seconds: probes due then"},
     {"built", T_ULONGLONG, offsetof(Step, built), READONLY, "answers built"},
+    {"c_read", T_INT, offsetof(Step, c_read), READONLY,
+     "1: the segment is read through the seqlock's C API (0: through `read`)"},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -568,6 +703,26 @@ static struct PyModuleDef module = {
 
 PyMODINIT_FUNC PyInit__gatewaystep(void) {
     if (PyType_Ready(&StepType) < 0) return NULL;
+    /* The seqlock's C API, and the function object that selects it (`read`). */
+    PyObject *sl = PyImport_ImportModule("kvsidecar.protocol._seqlock");
+    if (sl == NULL) return NULL;
+    read_latest_py = PyObject_GetAttrString(sl, "read_latest");
+    Py_DECREF(sl);
+    if (read_latest_py == NULL) return NULL;
+    seqlock = PyCapsule_Import(KVS_SEQLOCK_CAPSULE, 0);
+    if (seqlock == NULL) return NULL;
+    if (seqlock->version != KVS_SEQLOCK_API_VERSION) {
+        PyErr_SetString(PyExc_ImportError, "kvsidecar.protocol._seqlock: another C API version");
+        return NULL;
+    }
+    /* For the listener's compiled path: a Step as a slot's `advance`, called in C. */
+    PyObject *fn = PyCapsule_New((void *)advance_c, KVS_ADVANCE_CAPSULE, NULL);
+    if (fn == NULL || PyDict_SetItemString(StepType.tp_dict, "_c_advance", fn) < 0) {
+        Py_XDECREF(fn);
+        return NULL;
+    }
+    Py_DECREF(fn);
+    PyType_Modified(&StepType);
     if ((s_round = PyUnicode_InternFromString("__round__")) == NULL) return NULL;
     if ((s_mm = PyUnicode_InternFromString("mm")) == NULL) return NULL;
     if ((s_fd = PyUnicode_InternFromString("fd")) == NULL) return NULL;

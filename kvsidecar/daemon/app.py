@@ -244,11 +244,10 @@ def _gateway_stats(server: Any) -> dict[str, Any] | None:
         return None
     answers: dict = {}  # (role, dp_rank, outcome) -> n
     for gateway in getattr(server, "gateways", ()):
-        with gateway._lock:
-            counts = dict(gateway.answers)
+        counts = gateway.counts()
         answers.update({(gateway.label, *key): n for key, n in counts.items()})
     return {
-        "requests": dict(server.requests),
+        "requests": server.request_counts(),
         "closed": dict(server.closed),
         "connections": server.connections,
         "answers": answers,

@@ -163,8 +163,7 @@ class Gateway:
         slot = self._slots.get(dp_rank)
         if slot is None:
             slot = self._slots[dp_rank] = FastSlot()
-            slot.load, slot.off = _seqlock.kv_load_u64, OFF_PUBLISHED_SEQ
-            slot.epoch, slot.counts, slot.key = self.targets.claims, self.answers, (dp_rank, OK)
+            slot.off, slot.epoch = OFF_PUBLISHED_SEQ, self.targets.claims
         return slot
 
     def _keep(self, dp_rank: int, checked: _Checked | None) -> None:
@@ -206,6 +205,16 @@ class Gateway:
         if last is None or last[0] != outcome:
             self._transition(dp_rank, last, outcome, answer[1])
         return answer
+
+    def counts(self) -> dict[tuple[int, str], int]:
+        """Answers by (dp_rank, outcome): those counted here, and the 200s the listener's
+        compiled path served from each rank's slot (counted there, in C)."""
+        with self._lock:
+            counts = dict(self.answers)
+        for rank, slot in list(self._slots.items()):
+            if slot.served:
+                counts[(rank, OK)] = counts.get((rank, OK), 0) + slot.served
+        return counts
 
     def not_ok(self) -> dict[str, str]:
         """The ranks whose last poll was not answered 200 (as `/-/ready` names them: with

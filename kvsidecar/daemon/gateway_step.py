@@ -135,10 +135,6 @@ def compiled_step(
     names = gb.engine_names(snapshot.runtime.engine)
     counted = gb._sized(snapshot.pools)
     sized = bytes(1 if any(p is c for c in counted) else 0 for p in snapshot.pools)
-    try:
-        path = reader.path.encode()
-    except Exception:  # an invalid name: the full check words it
-        return None
     return _gatewaystep.Step(
         read=_seqlock.read_latest,
         reader=reader,
@@ -150,7 +146,6 @@ def compiled_step(
         parts=templates.parts(snapshot),
         start=start,
         step_head=STEP_HEADER,
-        path=path,
         rt_volatile=_RT_MASK,
         pool_volatile=_POOL_MASK,
         fields=_FIELDS,

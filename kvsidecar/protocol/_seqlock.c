@@ -60,6 +60,10 @@
 #include <string.h>
 #include <time.h>
 
+#ifndef KVSIDECAR_LATCH_ONLY
+#include "_seqlock_api.h" /* the C API, for the other extensions (Python-only) */
+#endif
+
 #ifdef KVSIDECAR_LATCH_ONLY
 #define LATCH_FN static __attribute__((noinline, noclone, used))
 #else
@@ -1049,6 +1053,46 @@ static PyObject *py_fence_release(PyObject *self, PyObject *unused) {
     Py_RETURN_NONE;
 }
 
+/* ------------------------- the C API (_seqlock_api.h) ------------------------ */
+
+static int api_read_latest(const uint8_t *base, size_t len, int retries, uint8_t *header,
+                           uint8_t *payload, size_t cap, uint64_t *seq, uint32_t *n,
+                           int *attempts) {
+    install_guard();
+    *seq = 0;
+    *n = 0;
+    *attempts = 0;
+    if (len < KVS_HEADER_LEN) return ST_BAD_LAYOUT;
+    if (guarded_copy(header, base, KVS_HEADER_LEN) != 0) return ST_SIGBUS;
+    uint32_t off, stride, slot_cap;
+    if (slot_geometry(header, len, &off, &stride, &slot_cap) != 0) return ST_BAD_LAYOUT;
+    /* latch_read's scratch is the slot header then the payload: `payload` holds both
+     * while reading, the payload moved to its start after. */
+    if (cap < (size_t)slot_cap + SLOT_HEADER_LEN) {
+        *n = slot_cap + SLOT_HEADER_LEN;
+        return ST_TOO_BIG;
+    }
+    int status = latch_read(base, off, stride, slot_cap, retries, payload, seq, n, attempts);
+    if (status == ST_OK) memmove(payload, payload + SLOT_HEADER_LEN, *n);
+    return status;
+}
+
+static int api_load_u64(const uint8_t *base, size_t len, size_t off, uint64_t *out) {
+    if (len < 8 || off > len - 8 || (uintptr_t)(base + off) % 8 != 0) return -1;
+    install_guard();
+    sigjmp_buf jb;
+    if (sigsetjmp(jb, 0) != 0) {
+        guard_clear();
+        return -1;
+    }
+    guard_set(&jb);
+    *out = __atomic_load_n((const uint64_t *)(base + off), __ATOMIC_ACQUIRE);
+    guard_clear();
+    return 0;
+}
+
+static KvsSeqlockAPI c_api = {KVS_SEQLOCK_API_VERSION, api_read_latest, api_load_u64};
+
 static PyMethodDef methods[] = {
     {"publish", py_publish, METH_VARARGS,
      "publish(segment, payload) -> seq: write payload into the next slot and publish it."},
@@ -1113,6 +1157,14 @@ PyMODINIT_FUNC PyInit__seqlock(void) {
     PyModule_AddIntConstant(m, "OFF_PUBLISH_ERRORS", OFF_PUBLISH_ERRORS);
     PyModule_AddIntConstant(m, "OFF_LAST_PUBLISH_ERROR", OFF_LAST_PUBLISH_ERROR);
     PyModule_AddIntConstant(m, "OFF_LAST_PUBLISH_ERROR_MONO", OFF_LAST_PUBLISH_ERROR_MONO);
+    PyModule_AddIntConstant(m, "TOO_BIG", ST_TOO_BIG);
+    PyObject *api = PyCapsule_New(&c_api, KVS_SEQLOCK_CAPSULE, NULL);
+    if (api == NULL || PyModule_AddObjectRef(m, "_C_API", api) < 0) {
+        Py_XDECREF(api);
+        Py_DECREF(m);
+        return NULL;
+    }
+    Py_DECREF(api);
     return m;
 }
 #endif /* KVSIDECAR_LATCH_ONLY */

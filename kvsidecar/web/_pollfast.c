@@ -3,26 +3,34 @@
  *
  * A picker sends the same head bytes at every poll, and between two steps of the engine
  * the answer is the same bytes too. `kvsidecar.web.poll_server` keeps both: per
- * connection the exact head its route answered from a `Slot` (`_Conn.fast_head`), per
- * route the `Slot`: the bytes built for the answer of the route's last full check, and
- * what keeps them current (a word of the segment equal to the sequence read at that check,
- * a deadline, a poll cycle's version).
+ * connection the exact head its route answered from a `Slot`, armed in a `Table` (per
+ * descriptor: the connection, its head, its slot) while the connection is idle and clean;
+ * per route the `Slot`: the bytes built for the answer of the route's last full check,
+ * and what keeps them current (a word of a mapped segment equal to the sequence read at
+ * that check, a deadline, a poll cycle's version in an `Epoch`).
  *
- * wait() is the listener's select: it waits on the selector's own epoll descriptor with
- * the GIL released, and serves in C every ready connection whose bytes are exactly its
- * fast head and whose slot is current: one recv, one compare, one load of the word, one
- * send, the same counts as the Python path (the connection's `served` and `progress`, the
- * server's `requests`, the slot's `counts[key]`). A slot whose word moved, or whose
- * deadline passed, may still be served: its owner's `advance(now)` (compiled too:
- * kvsidecar/daemon/_gatewaystep.c for the gateway) checks the state now and hands back the
- * new bytes, sequence and deadline, or None. Everything else is handed back, as
- * (fd, events, bytes received or None, answer bytes not yet sent or None), to the Python
- * path, which decides it as before: new or different heads, pipelining, parse errors,
- * a stale slot, EOF and errors, a partial send, listeners, the wake socket.
+ * Table.wait() is the listener's select: it waits on the selector's own epoll descriptor
+ * with the GIL released, and serves in C every ready armed descriptor whose bytes are
+ * exactly its head and whose slot is current: one recv, one compare, one guarded load of
+ * the word (the seqlock's C API, kvsidecar/protocol/_seqlock_api.h), one send. A slot
+ * whose word moved, or whose deadline passed, may still be served: its `advance` (an
+ * object whose type offers `_c_advance`, kvsidecar/web/_pollfast_api.h: the gateway's
+ * kvsidecar/daemon/_gatewaystep.c) checks the state now and builds the new bytes in C.
+ * Everything else is handed back, as (fd, events, bytes received or None, answer bytes
+ * not yet sent or None), to the Python path, which decides it as before: new or
+ * different heads, pipelining, parse errors, a stale slot, EOF and errors, a partial
+ * send, listeners, the wake socket. A descriptor handed back is disarmed first: the
+ * Python path arms it again once it has answered it and the connection is clean.
  *
- * The GIL is held while a ready connection is served (non-blocking calls, a few
- * microseconds) so that the Python objects it counts in are exactly as the Python path
- * leaves them; it is released while waiting.
+ * What a poll served here touches is C: no Python object is made, looked up or counted
+ * in. Its counts are C integers: the slot's `served` (the route's answers, read by the
+ * server beside its Python counts), and per descriptor the requests answered and the
+ * last progress, folded into the connection's `served` and `progress` before wait
+ * returns (the Python path's deadlines and evictions read them only after it has).
+ *
+ * The GIL is held while a ready descriptor is served (non-blocking calls, a few
+ * microseconds): the segment map and the slot's objects cannot be closed or replaced
+ * under it. It is released while waiting.
  *
  * native_floor() is no part of the listener: the bench's `native` candidate
  * (kvsidecar/bench/gateway_floor.py), a listener with no interpreter and no checks at all,
@@ -35,35 +43,22 @@
 #include <errno.h>
 #include <fcntl.h>
 #include <math.h>
+#include <stdint.h>
 #include <string.h>
 #include <sys/epoll.h>
 #include <sys/socket.h>
 #include <time.h>
 #include <unistd.h>
 
+#include "../protocol/_seqlock_api.h"
+#include "_pollfast_api.h"
+
 #define RECV_MAX 8192 /* poll_server._RECV: what one read of a connection takes */
 #define MAX_EVENTS 64
+#define MAX_FD (1 << 20) /* descriptors above are never armed (served by Python) */
 
-typedef struct {
-    PyObject_HEAD
-    PyObject *answer;  /* the answer tuple `out` was built for (None: nothing to serve) */
-    PyObject *out;     /* the response bytes (None: not built yet) */
-    PyObject *load;    /* load(mm, off) -> int: the word that must still equal `seq` */
-    PyObject *mm;
-    PyObject *off;
-    PyObject *seq;
-    PyObject *epoch;   /* an object whose .version must still equal `version` */
-    PyObject *version;
-    PyObject *counts;  /* a dict: counts[key] += 1 for each answer served here */
-    PyObject *key;
-    PyObject *advance; /* advance(now) -> (out, seq, until) | None, for a moved word */
-    double until;      /* CLOCK_MONOTONIC seconds (time.monotonic()): served before it */
-    unsigned long long served; /* answers served by wait() from this slot */
-    unsigned long long advanced; /* of which built by `advance` for a new word */
-} Slot;
-
-static PyObject *one_int; /* 1 */
-static PyObject *s_fast_head, *s_inbuf, *s_out, *s_slot, *s_served, *s_progress, *s_version;
+static const KvsSeqlockAPI *seqlock; /* kvsidecar.protocol._seqlock's C API */
+static PyObject *s_served, *s_progress, *s_version;
 
 static double mono(void) {
     struct timespec ts;
@@ -73,32 +68,69 @@ static double mono(void) {
 
 static int is_set(PyObject *o) { return o != NULL && o != Py_None; }
 
+/* --------------------------------- Epoch ---------------------------------- */
+
+/* A version a poll cycle bumps when what it decided changes (targets.Claims subclasses
+ * it): read here as a C integer. */
+typedef struct {
+    PyObject_HEAD
+    unsigned long long version;
+} Epoch;
+
+static PyMemberDef epoch_members[] = {
+    {"version", T_ULONGLONG, offsetof(Epoch, version), 0, "bumped at each change"},
+    {NULL, 0, 0, 0, NULL},
+};
+
+static PyTypeObject EpochType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvsidecar.web._pollfast.Epoch",
+    .tp_doc = "A version number the compiled path reads in C (subclass it).",
+    .tp_basicsize = sizeof(Epoch),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_BASETYPE,
+    .tp_new = PyType_GenericNew,
+    .tp_members = epoch_members,
+};
+
+/* ---------------------------------- Slot ---------------------------------- */
+
+typedef struct {
+    PyObject_HEAD
+    PyObject *answer;  /* the answer tuple `out` was built for (None: nothing to serve) */
+    PyObject *out;     /* the response bytes (None: not built yet) */
+    PyObject *mm;      /* a mapped segment: its word at `off` must still equal `seq` */
+    PyObject *epoch;   /* an Epoch whose version must still equal `version` (None: any) */
+    PyObject *advance; /* an object with `_c_advance`, for a moved word (None: none) */
+    kvs_advance_fn adv;
+    Py_ssize_t off;
+    unsigned long long seq;
+    unsigned long long version;
+    double until;      /* CLOCK_MONOTONIC seconds (time.monotonic()): served before it */
+    int ok;            /* `answer` is a 200 answer: the only kind served here */
+    /* The bytes `advance` built last (in its own buffer), served in place of `out`. */
+    const char *built;
+    Py_ssize_t built_len;
+    unsigned long long served;   /* answers served by wait() from this slot */
+    unsigned long long advanced; /* of which built by `advance` for a new word */
+} Slot;
+
 static int slot_traverse(Slot *s, visitproc visit, void *arg) {
     Py_VISIT(s->answer);
     Py_VISIT(s->out);
-    Py_VISIT(s->load);
     Py_VISIT(s->mm);
-    Py_VISIT(s->off);
-    Py_VISIT(s->seq);
     Py_VISIT(s->epoch);
-    Py_VISIT(s->version);
-    Py_VISIT(s->counts);
-    Py_VISIT(s->key);
     Py_VISIT(s->advance);
     return 0;
 }
 
 static int slot_clear(Slot *s) {
+    s->built = NULL;
+    s->adv = NULL;
+    s->ok = 0;
     Py_CLEAR(s->answer);
     Py_CLEAR(s->out);
-    Py_CLEAR(s->load);
     Py_CLEAR(s->mm);
-    Py_CLEAR(s->off);
-    Py_CLEAR(s->seq);
     Py_CLEAR(s->epoch);
-    Py_CLEAR(s->version);
-    Py_CLEAR(s->counts);
-    Py_CLEAR(s->key);
     Py_CLEAR(s->advance);
     return 0;
 }
@@ -109,21 +141,63 @@ static void slot_dealloc(Slot *s) {
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
+static PyObject *get_obj(PyObject *o) { return Py_NewRef(o ? o : Py_None); }
+
+static PyObject *slot_get_answer(Slot *s, void *c) { (void)c; return get_obj(s->answer); }
+static PyObject *slot_get_out(Slot *s, void *c) { (void)c; return get_obj(s->out); }
+static PyObject *slot_get_advance(Slot *s, void *c) { (void)c; return get_obj(s->advance); }
+
+/* Each of these makes the bytes served those of `out` again (a new answer, new bytes or
+ * a new owner of the next steps). */
+static int slot_set_answer(Slot *s, PyObject *v, void *c) {
+    (void)c;
+    s->built = NULL;
+    s->ok = v != NULL && PyTuple_Check(v) && PyTuple_GET_SIZE(v) > 0 &&
+            PyLong_CheckExact(PyTuple_GET_ITEM(v, 0)) &&
+            PyLong_AsLong(PyTuple_GET_ITEM(v, 0)) == 200;
+    PyErr_Clear();
+    Py_XSETREF(s->answer, v ? Py_NewRef(v) : NULL);
+    return 0;
+}
+
+static int slot_set_out(Slot *s, PyObject *v, void *c) {
+    (void)c;
+    s->built = NULL;
+    Py_XSETREF(s->out, v ? Py_NewRef(v) : NULL);
+    return 0;
+}
+
+static int slot_set_advance(Slot *s, PyObject *v, void *c) {
+    (void)c;
+    s->built = NULL;
+    s->adv = NULL;
+    if (is_set(v)) {
+        PyObject *cap = PyObject_GetAttrString(v, "_c_advance");
+        if (cap != NULL && PyCapsule_IsValid(cap, KVS_ADVANCE_CAPSULE))
+            s->adv = (kvs_advance_fn)PyCapsule_GetPointer(cap, KVS_ADVANCE_CAPSULE);
+        Py_XDECREF(cap);
+        PyErr_Clear(); /* no capsule: never called (the Python path decides a new word) */
+    }
+    Py_XSETREF(s->advance, v ? Py_NewRef(v) : NULL);
+    return 0;
+}
+
+static PyGetSetDef slot_getset[] = {
+    {"answer", (getter)slot_get_answer, (setter)slot_set_answer, NULL, NULL},
+    {"out", (getter)slot_get_out, (setter)slot_set_out, NULL, NULL},
+    {"advance", (getter)slot_get_advance, (setter)slot_set_advance, NULL, NULL},
+    {NULL, NULL, NULL, NULL, NULL},
+};
+
 static PyMemberDef slot_members[] = {
-    {"answer", T_OBJECT, offsetof(Slot, answer), 0, NULL},
-    {"out", T_OBJECT, offsetof(Slot, out), 0, NULL},
-    {"load", T_OBJECT, offsetof(Slot, load), 0, NULL},
     {"mm", T_OBJECT, offsetof(Slot, mm), 0, NULL},
-    {"off", T_OBJECT, offsetof(Slot, off), 0, NULL},
-    {"seq", T_OBJECT, offsetof(Slot, seq), 0, NULL},
     {"epoch", T_OBJECT, offsetof(Slot, epoch), 0, NULL},
-    {"version", T_OBJECT, offsetof(Slot, version), 0, NULL},
-    {"counts", T_OBJECT, offsetof(Slot, counts), 0, NULL},
-    {"key", T_OBJECT, offsetof(Slot, key), 0, NULL},
-    {"advance", T_OBJECT, offsetof(Slot, advance), 0, NULL},
-    {"advanced", T_ULONGLONG, offsetof(Slot, advanced), 0, NULL},
+    {"off", T_PYSSIZET, offsetof(Slot, off), 0, NULL},
+    {"seq", T_ULONGLONG, offsetof(Slot, seq), 0, NULL},
+    {"version", T_ULONGLONG, offsetof(Slot, version), 0, NULL},
     {"until", T_DOUBLE, offsetof(Slot, until), 0, NULL},
     {"served", T_ULONGLONG, offsetof(Slot, served), 0, NULL},
+    {"advanced", T_ULONGLONG, offsetof(Slot, advanced), 0, NULL},
     {NULL, 0, 0, 0, NULL},
 };
 
@@ -138,123 +212,210 @@ static PyTypeObject SlotType = {
     .tp_traverse = (traverseproc)slot_traverse,
     .tp_clear = (inquiry)slot_clear,
     .tp_members = slot_members,
+    .tp_getset = slot_getset,
 };
 
-/* 1: a == b; 0: not (or an error, cleared: the Python path decides then). */
-static int equal(PyObject *a, PyObject *b) {
-    int eq = PyObject_RichCompareBool(a, b, Py_EQ);
-    if (eq < 0) PyErr_Clear();
-    return eq == 1;
+/* The epoch's version, or -1 (not current) where it cannot be read. */
+static int epoch_same(Slot *s) {
+    if (!is_set(s->epoch)) return 1;
+    if (PyObject_TypeCheck(s->epoch, &EpochType))
+        return ((Epoch *)s->epoch)->version == s->version;
+    PyObject *v = PyObject_GetAttr(s->epoch, s_version);
+    if (v == NULL) {
+        PyErr_Clear();
+        return 0;
+    }
+    unsigned long long n = PyLong_AsUnsignedLongLong(v);
+    Py_DECREF(v);
+    if (n == (unsigned long long)-1 && PyErr_Occurred()) {
+        PyErr_Clear();
+        return 0;
+    }
+    return n == s->version;
 }
 
-/* The slot's bytes for a moved word, from its owner's `advance`: 1 when it built them
- * (out, seq and until replaced), 0 when it declined or failed (the Python path decides). */
-static int slot_advance(Slot *s, double now) {
-    PyObject *t = PyFloat_FromDouble(now);
-    if (t == NULL) {
+/* The slot's word now (0), or -1: no map, a closed one, lost pages. */
+static int load_word(Slot *s, uint64_t *word) {
+    if (!is_set(s->mm)) return -1;
+    Py_buffer view;
+    if (PyObject_GetBuffer(s->mm, &view, PyBUF_SIMPLE) < 0) {
         PyErr_Clear();
-        return 0;
+        return -1;
     }
-    PyObject *r = PyObject_CallOneArg(s->advance, t);
-    Py_DECREF(t);
-    if (r == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    int ok = PyTuple_Check(r) && PyTuple_GET_SIZE(r) == 3 && PyBytes_Check(PyTuple_GET_ITEM(r, 0));
-    double until = ok ? PyFloat_AsDouble(PyTuple_GET_ITEM(r, 2)) : 0.0;
-    if (ok && until == -1.0 && PyErr_Occurred()) {
-        PyErr_Clear();
-        ok = 0;
-    }
-    if (ok) {
-        Py_SETREF(s->out, Py_NewRef(PyTuple_GET_ITEM(r, 0)));
-        Py_SETREF(s->seq, Py_NewRef(PyTuple_GET_ITEM(r, 1)));
+    int rc = s->off < 0 ? -1 : seqlock->load_u64(view.buf, (size_t)view.len, (size_t)s->off, word);
+    PyBuffer_Release(&view);
+    return rc;
+}
+
+/* The bytes to serve now, or NULL: the answer is not served here, or not current (not
+ * built, another poll cycle, the word moved or the deadline passed and `advance`
+ * declined or failed). */
+static const char *slot_current(Slot *s, double now, Py_ssize_t *len) {
+    if (!s->ok || !is_set(s->out) || !PyBytes_Check(s->out) || !epoch_same(s)) return NULL;
+    uint64_t word;
+    if (load_word(s, &word) < 0) return NULL;
+    if (word != s->seq || !(now < s->until)) {
+        if (s->adv == NULL) return NULL;
+        const char *out;
+        Py_ssize_t n;
+        uint64_t seq;
+        double until;
+        int rc = s->adv(s->advance, now, &out, &n, &seq, &until);
+        if (rc != 1) {
+            if (rc < 0) PyErr_Clear();
+            return NULL;
+        }
+        s->built = out;
+        s->built_len = n;
+        s->seq = seq;
         s->until = until;
         s->advanced++;
     }
-    Py_DECREF(r);
-    return ok;
-}
-
-/* Whether the slot's bytes may be served now: built, before the deadline, the same poll
- * cycle, the word unchanged (a closed or re-attached map raises in load: not current).
- * A word that moved, or a deadline passed, is offered to the slot's `advance` (its owner's
- * compiled check of the state now; None: the Python path decides). */
-static int slot_current(Slot *s, double now) {
-    if (!is_set(s->answer) || !is_set(s->out) || !PyBytes_Check(s->out)) return 0;
-    if (!is_set(s->load) || !is_set(s->mm) || !is_set(s->off) || !is_set(s->seq)) return 0;
-    if (is_set(s->epoch)) {
-        PyObject *v = PyObject_GetAttr(s->epoch, s_version);
-        if (v == NULL) {
-            PyErr_Clear();
-            return 0;
-        }
-        int eq = equal(v, s->version);
-        Py_DECREF(v);
-        if (!eq) return 0;
+    if (s->built != NULL) {
+        *len = s->built_len;
+        return s->built;
     }
-    PyObject *args[2] = {s->mm, s->off};
-    PyObject *word = PyObject_Vectorcall(s->load, args, 2, NULL);
-    if (word == NULL) {
-        PyErr_Clear();
-        return 0;
+    *len = PyBytes_GET_SIZE(s->out);
+    return PyBytes_AS_STRING(s->out);
+}
+
+/* ---------------------------------- Table --------------------------------- */
+
+/* One armed descriptor: its connection, the exact head answered from `slot`, and what
+ * was served here since the last fold. */
+typedef struct {
+    PyObject *conn;
+    PyObject *head; /* bytes */
+    Slot *slot;
+    unsigned long long served;
+    double progress;
+} Entry;
+
+typedef struct {
+    PyObject_HEAD
+    Entry *e; /* indexed by descriptor; conn NULL: not armed */
+    int cap;
+    int *dirty; /* descriptors served since the last fold (each once) */
+    int ndirty;
+} Table;
+
+static int table_traverse(Table *t, visitproc visit, void *arg) {
+    for (int fd = 0; fd < t->cap; fd++) {
+        Py_VISIT(t->e[fd].conn);
+        Py_VISIT(t->e[fd].head);
+        Py_VISIT((PyObject *)t->e[fd].slot);
     }
-    int eq = equal(word, s->seq);
-    Py_DECREF(word);
-    if (eq && now < s->until) return 1;
-    return is_set(s->advance) && slot_advance(s, now);
+    return 0;
 }
 
-/* d[key] += 1 for a key already there (a new key would change the dict's size under a
- * reader iterating it: the Python path counts the first answer of each key). */
-static int bump(PyObject *d, PyObject *key) {
-    PyObject *v = PyDict_GetItemWithError(d, key);
-    if (v == NULL || !PyLong_CheckExact(v)) {
-        PyErr_Clear();
-        return -1;
-    }
-    PyObject *n = PyNumber_Add(v, one_int);
-    if (n == NULL) return -1;
-    int r = PyDict_SetItem(d, key, n);
-    Py_DECREF(n);
-    return r;
+static void entry_drop(Entry *e) {
+    Py_CLEAR(e->conn);
+    Py_CLEAR(e->head);
+    Py_CLEAR(e->slot);
+    e->served = 0;
 }
 
-static int has_key(PyObject *d, PyObject *key) {
-    if (!PyDict_Check(d)) return 0;
-    PyObject *v = PyDict_GetItemWithError(d, key);
-    if (v == NULL) PyErr_Clear();
-    return v != NULL && PyLong_CheckExact(v);
+static int table_clear(Table *t) {
+    for (int fd = 0; fd < t->cap; fd++) entry_drop(&t->e[fd]);
+    t->ndirty = 0;
+    return 0;
 }
 
-static Py_ssize_t attr_len(PyObject *o, PyObject *name) {
-    PyObject *v = PyObject_GetAttr(o, name);
-    if (v == NULL) {
-        PyErr_Clear();
-        return -1;
-    }
-    Py_ssize_t n = PyObject_Length(v);
-    Py_DECREF(v);
-    if (n < 0) PyErr_Clear();
-    return n;
+static void table_dealloc(Table *t) {
+    PyObject_GC_UnTrack(t);
+    table_clear(t);
+    PyMem_Free(t->e);
+    PyMem_Free(t->dirty);
+    Py_TYPE(t)->tp_free((PyObject *)t);
 }
 
-/* conn.served += 1; conn.progress = now. */
-static int count_conn(PyObject *conn, double now) {
+/* conn.served += n; conn.progress = at. */
+static int count_conn(PyObject *conn, unsigned long long n, double at) {
     PyObject *served = PyObject_GetAttr(conn, s_served);
     if (served == NULL) return -1;
-    PyObject *n = PyNumber_Add(served, one_int);
+    PyObject *k = PyLong_FromUnsignedLongLong(n);
+    PyObject *sum = k == NULL ? NULL : PyNumber_Add(served, k);
     Py_DECREF(served);
-    if (n == NULL) return -1;
-    int r = PyObject_SetAttr(conn, s_served, n);
-    Py_DECREF(n);
+    Py_XDECREF(k);
+    if (sum == NULL) return -1;
+    int r = PyObject_SetAttr(conn, s_served, sum);
+    Py_DECREF(sum);
     if (r < 0) return -1;
-    PyObject *t = PyFloat_FromDouble(now);
+    PyObject *t = PyFloat_FromDouble(at);
     if (t == NULL) return -1;
     r = PyObject_SetAttr(conn, s_progress, t);
     Py_DECREF(t);
     return r;
+}
+
+/* The entry's counts into its connection. */
+static int entry_fold(Entry *e) {
+    if (e->conn == NULL || e->served == 0) return 0;
+    unsigned long long n = e->served;
+    e->served = 0;
+    return count_conn(e->conn, n, e->progress);
+}
+
+static int table_fold(Table *t) {
+    int rc = 0;
+    for (int i = 0; i < t->ndirty; i++) {
+        int fd = t->dirty[i];
+        if (fd < t->cap && entry_fold(&t->e[fd]) < 0) rc = -1;
+    }
+    t->ndirty = 0;
+    return rc;
+}
+
+static int disarm(Table *t, int fd) {
+    if (fd < 0 || fd >= t->cap || t->e[fd].conn == NULL) return 0;
+    int rc = entry_fold(&t->e[fd]);
+    entry_drop(&t->e[fd]);
+    return rc;
+}
+
+/* arm(fd, conn, head, slot): serve this descriptor's polls of `head` from `slot`. */
+static PyObject *table_arm(Table *t, PyObject *args) {
+    int fd;
+    PyObject *conn, *head, *slot;
+    if (!PyArg_ParseTuple(args, "iOO!O!", &fd, &conn, &PyBytes_Type, &head, &SlotType, &slot))
+        return NULL;
+    if (fd < 0 || fd >= MAX_FD) Py_RETURN_FALSE;
+    if (fd >= t->cap) {
+        int cap = t->cap ? t->cap : 64;
+        while (cap <= fd) cap *= 2;
+        Entry *e = PyMem_Realloc(t->e, sizeof(Entry) * (size_t)cap);
+        if (e == NULL) return PyErr_NoMemory();
+        memset(e + t->cap, 0, sizeof(Entry) * (size_t)(cap - t->cap));
+        int *dirty = PyMem_Realloc(t->dirty, sizeof(int) * (size_t)cap);
+        if (dirty == NULL) {
+            t->e = e; /* kept: its entries are valid */
+            return PyErr_NoMemory();
+        }
+        t->e = e;
+        t->dirty = dirty;
+        t->cap = cap;
+    }
+    if (disarm(t, fd) < 0) return NULL;
+    Entry *e = &t->e[fd];
+    e->conn = Py_NewRef(conn);
+    e->head = Py_NewRef(head);
+    e->slot = (Slot *)Py_NewRef(slot);
+    Py_RETURN_TRUE;
+}
+
+static PyObject *table_disarm(Table *t, PyObject *arg) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    int fd = v < 0 || v > MAX_FD ? -1 : (int)v;
+    if (disarm(t, fd) < 0) return NULL;
+    Py_RETURN_NONE;
+}
+
+static PyObject *table_armed(Table *t, PyObject *arg) {
+    long v = PyLong_AsLong(arg);
+    if (v == -1 && PyErr_Occurred()) return NULL;
+    int fd = v < 0 || v > MAX_FD ? -1 : (int)v;
+    return PyBool_FromLong(fd >= 0 && fd < t->cap && t->e[fd].conn != NULL);
 }
 
 static int hand_back(PyObject *list, int fd, unsigned events, const char *data, Py_ssize_t n,
@@ -274,87 +435,56 @@ static int hand_back(PyObject *list, int fd, unsigned events, const char *data, 
 }
 
 /* One ready descriptor: served here (0), handed back (0, appended), or an error (-1). */
-static int serve_one(PyObject *list, int fd, unsigned events, PyObject *conns,
-                     PyObject *requests, char *buf, double now) {
-    PyObject *fdo = PyLong_FromLong(fd);
-    if (fdo == NULL) return -1;
-    PyObject *conn = PyDict_GetItemWithError(conns, fdo);
-    Py_DECREF(fdo);
-    if (conn == NULL) {
-        if (PyErr_Occurred()) return -1;
-        return hand_back(list, fd, events, NULL, 0, NULL); /* a listener, the wake socket */
-    }
-    if (events != EPOLLIN) return hand_back(list, fd, events, NULL, 0, NULL);
-    PyObject *head = PyObject_GetAttr(conn, s_fast_head);
-    if (head == NULL) {
-        PyErr_Clear();
+static int serve_one(Table *t, PyObject *list, int fd, unsigned events, char *buf, double now) {
+    Entry *e = fd >= 0 && fd < t->cap && t->e[fd].conn != NULL ? &t->e[fd] : NULL;
+    if (e == NULL) return hand_back(list, fd, events, NULL, 0, NULL); /* Python's */
+    if (events != EPOLLIN) {
+        if (disarm(t, fd) < 0) return -1;
         return hand_back(list, fd, events, NULL, 0, NULL);
     }
-    Py_INCREF(conn); /* borrowed from the dict: held while its attributes are set */
-    PyObject *slot_o = PyObject_GetAttr(conn, s_slot);
-    if (slot_o == NULL) PyErr_Clear();
-    int r;
-    if (!PyBytes_Check(head) || slot_o == NULL || !PyObject_TypeCheck(slot_o, &SlotType) ||
-        attr_len(conn, s_inbuf) != 0 || attr_len(conn, s_out) != 0) {
-        r = hand_back(list, fd, events, NULL, 0, NULL);
-        goto done;
-    }
-    Slot *slot = (Slot *)slot_o;
     ssize_t n = recv(fd, buf, RECV_MAX, MSG_DONTWAIT);
-    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR)) {
-        r = 0; /* nothing after all: still registered for reading */
-        goto done;
-    }
+    if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR))
+        return 0; /* nothing after all: still armed */
     if (n <= 0) { /* EOF or an error: the Python path's own recv sees it again */
-        r = hand_back(list, fd, events, NULL, 0, NULL);
-        goto done;
+        if (disarm(t, fd) < 0) return -1;
+        return hand_back(list, fd, events, NULL, 0, NULL);
     }
-    Py_ssize_t hn = PyBytes_GET_SIZE(head);
-    PyObject *status = is_set(slot->answer) && PyTuple_Check(slot->answer) &&
-                               PyTuple_GET_SIZE(slot->answer) > 0
-                           ? PyTuple_GET_ITEM(slot->answer, 0)
-                           : NULL;
-    if (n != hn || memcmp(buf, PyBytes_AS_STRING(head), (size_t)hn) != 0 || status == NULL ||
-        !has_key(requests, status) || !is_set(slot->counts) || !is_set(slot->key) ||
-        !has_key(slot->counts, slot->key) || !slot_current(slot, now)) {
-        r = hand_back(list, fd, events, buf, n, NULL);
-        goto done;
+    Py_ssize_t hn = PyBytes_GET_SIZE(e->head), len = 0;
+    const char *out = NULL;
+    /* Held while `advance` runs (it may allocate, and so collect). */
+    Slot *slot = (Slot *)Py_NewRef(e->slot);
+    if (n == hn && memcmp(buf, PyBytes_AS_STRING(e->head), (size_t)hn) == 0)
+        out = slot_current(slot, now, &len);
+    e = fd < t->cap && t->e[fd].conn != NULL && t->e[fd].slot == slot ? &t->e[fd] : NULL;
+    if (out == NULL || e == NULL) {
+        Py_DECREF(slot);
+        if (disarm(t, fd) < 0) return -1;
+        return hand_back(list, fd, events, buf, n, NULL);
     }
-    PyObject *out = Py_NewRef(slot->out); /* kept: a count below could run Python code */
-    Py_ssize_t len = PyBytes_GET_SIZE(out);
-    ssize_t sent = send(fd, PyBytes_AS_STRING(out), (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL);
+    ssize_t sent = send(fd, out, (size_t)len, MSG_DONTWAIT | MSG_NOSIGNAL);
     if (sent < 0) sent = 0; /* the Python path's flush meets the error and closes */
     slot->served++;
-    if (count_conn(conn, now) < 0 || bump(requests, status) < 0 ||
-        bump(slot->counts, slot->key) < 0) {
-        Py_DECREF(out);
-        r = -1;
-        goto done;
+    Py_DECREF(slot); /* the entry holds it still */
+    if (e->served++ == 0 && t->ndirty < t->cap) t->dirty[t->ndirty++] = fd;
+    e->progress = now;
+    if (sent < len) { /* the rest waits for the client: the Python path's */
+        PyObject *rest = PyBytes_FromStringAndSize(out + sent, len - sent);
+        if (rest == NULL || disarm(t, fd) < 0) {
+            Py_XDECREF(rest);
+            return -1;
+        }
+        int r = hand_back(list, fd, 0, NULL, 0, rest);
+        Py_DECREF(rest);
+        return r;
     }
-    if (sent < len) {
-        PyObject *rest = PyBytes_FromStringAndSize(PyBytes_AS_STRING(out) + sent, len - sent);
-        r = rest == NULL ? -1 : hand_back(list, fd, 0, NULL, 0, rest);
-        Py_XDECREF(rest);
-    } else {
-        r = 0;
-    }
-    Py_DECREF(out);
-done:
-    Py_DECREF(head);
-    Py_XDECREF(slot_o);
-    Py_DECREF(conn);
-    return r;
+    return 0;
 }
 
-/* wait(epfd, timeout, conns, requests) -> [(fd, events, data, rest)]: handed back */
-static PyObject *py_wait(PyObject *self, PyObject *args) {
+/* wait(epfd, timeout) -> [(fd, events, data, rest)]: handed back; the counts folded. */
+static PyObject *table_wait(Table *t, PyObject *args) {
     int epfd;
     double timeout;
-    PyObject *conns, *requests;
-    (void)self;
-    if (!PyArg_ParseTuple(args, "idO!O!", &epfd, &timeout, &PyDict_Type, &conns, &PyDict_Type,
-                          &requests))
-        return NULL;
+    if (!PyArg_ParseTuple(args, "id", &epfd, &timeout)) return NULL;
     char *buf = PyMem_Malloc(RECV_MAX);
     if (buf == NULL) return PyErr_NoMemory();
     PyObject *list = PyList_New(0);
@@ -378,19 +508,49 @@ static PyObject *py_wait(PyObject *self, PyObject *args) {
         }
         double now = mono();
         for (int i = 0; i < n; i++) {
-            if (serve_one(list, evs[i].data.fd, evs[i].events, conns, requests, buf, now) < 0)
-                goto fail;
+            if (serve_one(t, list, evs[i].data.fd, evs[i].events, buf, now) < 0) goto fail;
         }
         /* Back to Python when it has work, or the time is up. */
         if (PyList_GET_SIZE(list) > 0 || n == 0 || now >= deadline) break;
     }
     PyMem_Free(buf);
+    if (table_fold(t) < 0) {
+        Py_DECREF(list);
+        return NULL;
+    }
     return list;
 fail:
     PyMem_Free(buf);
     Py_DECREF(list);
+    table_fold(t);
     return NULL;
 }
+
+static PyMethodDef table_methods[] = {
+    {"arm", (PyCFunction)table_arm, METH_VARARGS,
+     "arm(fd, conn, head, slot) -> bool: serve the descriptor's polls of `head` from `slot` "
+     "(False: a descriptor too high to be armed)."},
+    {"disarm", (PyCFunction)table_disarm, METH_O,
+     "disarm(fd): serve it no more (its counts folded into its connection)."},
+    {"armed", (PyCFunction)table_armed, METH_O, "armed(fd) -> bool."},
+    {"wait", (PyCFunction)table_wait, METH_VARARGS,
+     "wait(epfd, timeout) -> [(fd, events, data, rest)]: wait on the epoll descriptor, "
+     "serve the armed descriptors' polls, hand back the rest (disarmed), fold the counts."},
+    {NULL, NULL, 0, NULL},
+};
+
+static PyTypeObject TableType = {
+    PyVarObject_HEAD_INIT(NULL, 0)
+    .tp_name = "kvsidecar.web._pollfast.Table",
+    .tp_doc = "The armed descriptors of one listener, and its compiled wait (see the module).",
+    .tp_basicsize = sizeof(Table),
+    .tp_flags = Py_TPFLAGS_DEFAULT | Py_TPFLAGS_HAVE_GC,
+    .tp_new = PyType_GenericNew,
+    .tp_dealloc = (destructor)table_dealloc,
+    .tp_traverse = (traverseproc)table_traverse,
+    .tp_clear = (inquiry)table_clear,
+    .tp_methods = table_methods,
+};
 
 static long long thread_cpu_ns(void) {
     struct timespec ts;
@@ -489,9 +649,6 @@ static PyObject *py_native_floor(PyObject *self, PyObject *args) {
 }
 
 static PyMethodDef methods[] = {
-    {"wait", py_wait, METH_VARARGS,
-     "wait(epfd, timeout, conns, requests) -> [(fd, events, data, rest)]: wait on the epoll "
-     "descriptor, serve the fast polls (each counted in its slot), hand back the rest."},
     {"native_floor", py_native_floor, METH_VARARGS,
      "native_floor(listen_fd, answer, seconds, most=0) -> (answers sent, thread CPU ns): "
      "for `seconds` (or until `most` answers), with the GIL released, accept on the "
@@ -506,25 +663,27 @@ static struct PyModuleDef module = {
 };
 
 PyMODINIT_FUNC PyInit__pollfast(void) {
-    if (PyType_Ready(&SlotType) < 0) return NULL;
-    if ((one_int = PyLong_FromLong(1)) == NULL) return NULL;
+    if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&TableType) < 0 ||
+        PyType_Ready(&EpochType) < 0)
+        return NULL;
+    seqlock = PyCapsule_Import(KVS_SEQLOCK_CAPSULE, 0);
+    if (seqlock == NULL) return NULL;
+    if (seqlock->version != KVS_SEQLOCK_API_VERSION) {
+        PyErr_SetString(PyExc_ImportError, "kvsidecar.protocol._seqlock: another C API version");
+        return NULL;
+    }
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
-    INTERN(s_fast_head, "fast_head");
-    INTERN(s_inbuf, "inbuf");
-    INTERN(s_out, "out");
-    INTERN(s_slot, "slot");
     INTERN(s_served, "served");
     INTERN(s_progress, "progress");
     INTERN(s_version, "version");
 #undef INTERN
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
-    if (PyModule_AddObjectRef(m, "Slot", (PyObject *)&SlotType) < 0) {
-        Py_DECREF(m);
-        return NULL;
-    }
-    if (PyModule_AddIntConstant(m, "RECV_MAX", RECV_MAX) < 0) {
+    if (PyModule_AddObjectRef(m, "Slot", (PyObject *)&SlotType) < 0 ||
+        PyModule_AddObjectRef(m, "Table", (PyObject *)&TableType) < 0 ||
+        PyModule_AddObjectRef(m, "Epoch", (PyObject *)&EpochType) < 0 ||
+        PyModule_AddIntConstant(m, "RECV_MAX", RECV_MAX) < 0) {
         Py_DECREF(m);
         return NULL;
     }

@@ -38,10 +38,13 @@ hand `_accept` a wrapped (e.g. TLS) socket without the rest changing.
 The one request shape a picker sends has a compiled path (`kvsidecar.web._pollfast`, where
 it was built): a route may carry a `FastSlot` (``route.fast_slot``) that its owner fills
 with an answer and what keeps it current; once a plain-socket connection's head has been
-answered from it here, the loop's wait serves that connection's next polls in C while they
-are those exact bytes and the slot is current (one recv, compare, load, send; the same
-counts), and hands everything else back to the Python path below. Without the extension
-(`FAST` is False) every poll takes the Python path, as before.
+answered from it here and the connection is clean again (nothing buffered either way),
+the descriptor is armed with that head, and the loop's wait serves its next polls in C
+while they are those exact bytes and the slot is current (one recv, compare, load, send;
+no Python object touched), and hands everything else back, disarmed, to the Python path
+below. What C served is counted in C: the slot's `served` (`request_counts` adds it), each
+connection's `served` and `progress` folded in before the wait returns. Without the
+extension (`FAST` is False) every poll takes the Python path, as before.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ except ImportError:  # not built (no compiler): every poll takes the Python path
 if TYPE_CHECKING:
     from kvsidecar.web.poll_tls import PollTLS
 
-__all__ = ["FAST", "MAX_HEAD", "FastSlot", "PollServer", "Route", "response_start"]
+__all__ = ["FAST", "MAX_HEAD", "FastEpoch", "FastSlot", "PollServer", "Route", "response_start"]
 
 log = logging.getLogger(__name__)
 
@@ -122,10 +125,7 @@ class _PySlot:
         "advance",
         "advanced",
         "answer",
-        "counts",
         "epoch",
-        "key",
-        "load",
         "mm",
         "off",
         "out",
@@ -139,15 +139,25 @@ class _PySlot:
         for name in self.__slots__:
             setattr(self, name, None)
         self.until, self.served, self.advanced = 0.0, 0, 0
+        self.off = self.seq = self.version = 0
 
 
-# One route's answer and what keeps it current: `answer` (the tuple the route hands back),
-# `out` (its bytes, built here), `load(mm, off) == seq` (a word unchanged since the answer
-# was made), `epoch.version == version`, `time.monotonic() < until`; each poll served from
-# it counts `counts[key] += 1` and `served += 1`. Its owner sets `answer` (and clears
-# `out`) when it has a new one, and `answer = None` when there is none.
+class _PyEpoch:
+    """`FastEpoch` where the extension is not built: a plain version number."""
+
+    version: int = 0
+
+
+# One route's answer and what keeps it current: `answer` (a 200 answer tuple the route
+# hands back), `out` (its bytes, built here), the 8-byte word at `off` in the buffer `mm`
+# still `seq` (unchanged since the answer was made), `epoch.version == version`,
+# `time.monotonic() < until`; a moved word or a passed deadline offered to `advance` (see
+# kvsidecar/web/_pollfast_api.h). Each poll served from it counts `served += 1`. Its owner
+# sets `answer` (and clears `out`) when it has a new one, and `answer = None` when there is
+# none. `FastEpoch`: a version read in C (subclass it).
 FAST = _pollfast is not None
 FastSlot = _pollfast.Slot if _pollfast is not None else _PySlot
+FastEpoch = _pollfast.Epoch if _pollfast is not None else _PyEpoch
 
 
 @dataclass(eq=False)
@@ -208,9 +218,10 @@ class PollServer:
         # Per (route, HEAD?): the last answer tuple and its bytes (keep-alive).
         self._built: dict[tuple[Route, bool], tuple[Answer, bytes]] = {}
         self._sel = selectors.DefaultSelector()
-        # The compiled path waits on the selector's own epoll descriptor.
+        # The compiled path waits on the selector's own epoll descriptor; its table holds
+        # the armed descriptors.
         self._fast = (
-            _pollfast
+            _pollfast.Table()
             if compiled and FAST and isinstance(self._sel, selectors.EpollSelector)
             else None
         )
@@ -228,6 +239,15 @@ class PollServer:
         """Polls served by the compiled path so far (the others took the Python path)."""
         slots = (getattr(route, "fast_slot", None) for _, route in self.listeners)
         return sum(slot.served for slot in slots if slot is not None)
+
+    def request_counts(self) -> dict[int, int]:
+        """Responses by status: the Python path's and the compiled path's (every answer it
+        serves is a slot's 200)."""
+        counts = dict(self.requests)
+        fast = self.fast_polls
+        if fast:
+            counts[200] = counts.get(200, 0) + fast
+        return counts
 
     @property
     def addresses(self) -> list[str]:
@@ -309,9 +329,7 @@ class PollServer:
     def _wait_fast(self, timeout: float) -> list[tuple[selectors.SelectorKey, int]]:
         """The compiled wait: serves the fast polls itself, and returns what it handed
         back as the selector would (received bytes and unsent answers dealt with here)."""
-        back = self._fast.wait(  # type: ignore[union-attr]
-            self._sel.fileno(), max(0.0, timeout), self._conns, self.requests
-        )
+        back = self._fast.wait(self._sel.fileno(), max(0.0, timeout))  # type: ignore[union-attr]
         ready = []
         now = time.monotonic()
         keys = self._sel.get_map()
@@ -612,12 +630,17 @@ class PollServer:
             self._close(conn, None)
             return
         self._set_mask(conn, selectors.EVENT_READ)
+        if self._fast is not None and conn.fast_head is not None and not conn.inbuf:
+            # Clean, waiting for its next poll: the compiled path may serve it.
+            self._fast.arm(conn.sock.fileno(), conn, conn.fast_head, conn.slot)
         self._watch(conn, now)
 
     def _close(self, conn: _Conn, reason: str | None) -> None:
         fd = conn.sock.fileno()
         if fd < 0:
             return
+        if self._fast is not None:
+            self._fast.disarm(fd)  # its counts folded; its number may be reused
         if reason is not None:
             self.closed[reason] = self.closed.get(reason, 0) + 1
         self._conns.pop(fd, None)

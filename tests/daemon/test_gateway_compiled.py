@@ -8,6 +8,7 @@ work (polls served in C, heads parsed, full checks), never timed. Real sockets, 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import socket
@@ -104,15 +105,18 @@ def _polls(shm: str, calls: dict) -> dict:
         poll(HEAD.replace(b"picker", b"other"))  # another head: parsed once, then fast
         poll(HEAD.replace(b"picker", b"other"))
         out["end"] = (server.fast_polls, *calls.values(), gateway.full_checks)
-        out["answers"] = gateway.answers[(0, "ok")]
-        out["requests"] = server.requests[200]
-        out["served"] = [c.served for c in server._conns.values()]
+        out["answers"] = gateway.counts()[(0, "ok")]
+        out["requests"] = server.request_counts()[200]
+        conns = list(server._conns.values())
     finally:
         f.close()
         s.close()
         server.shutdown()
         targets.stop()
         writer.close()
+    # Read once the listener has stopped: what C served is folded into each connection
+    # before its wait returns (the Python path reads it only then).
+    out["served"] = [c.served for c in conns]
     return out
 
 
@@ -120,6 +124,27 @@ def _shm(tmp_path) -> str:
     shm = str(tmp_path)
     os.chmod(shm, 0o750)
     return shm
+
+
+@contextlib.contextmanager
+def _serving(tmp_path, **options):
+    """A writer at step 1, its targets polled once, a gateway of rank 0 and a listener
+    (`PollServer` options): yields (gateway, server, the listener's address)."""
+    shm = _shm(tmp_path)
+    writer = SegmentWriter("kvsidecar.gw.dp0", shm_dir=shm)
+    targets = TargetSet(Discovery(shm), polling=Polling(poll_interval=0.25, stale_after=30))
+    writer.publish(gw.build("vllm", 0, "both", 1))
+    targets.poll_all()
+    gateway = Gateway(targets, stale_after=3600.0)
+    sock = socket.create_server(("127.0.0.1", 0))
+    server = poll_server.PollServer([(sock, gateway.route(0))], **options)
+    server.start()
+    try:
+        yield gateway, server, sock.getsockname()
+    finally:
+        server.shutdown()
+        targets.stop()
+        writer.close()
 
 
 def check_answers(got: dict) -> None:
@@ -199,10 +224,68 @@ def test_a_wrapped_connection_never_takes_the_compiled_path(tmp_path):
             assert _read(f)[:2] == (200, b"1")
         assert [type(c.sock) for c in server._conns.values()] == [_Wrapped]
         assert server.fast_polls == 0
-        assert gateway.answers[(0, "ok")] == 20
+        assert gateway.counts()[(0, "ok")] == 20
     finally:
         f.close()
         s.close()
         server.shutdown()
         targets.stop()
         writer.close()
+
+
+@pytest.mark.skipif(not poll_server.FAST, reason="kvsidecar.web._pollfast is not built")
+def test_a_poll_served_in_c_touches_no_python_object(tmp_path, monkeypatch):
+    """Counted as work: 100 polls of an unchanged step served in C write no attribute
+    of their connection (main: `served` and `progress` each poll, a new int and float
+    each time); what C served is folded into the connection when the wait returns."""
+    writes: dict[str, int] = {"served": 0, "progress": 0}
+
+    class Counted(poll_server._Conn):
+        def __setattr__(self, name, value):
+            if name in writes:
+                writes[name] += 1
+            super().__setattr__(name, value)
+
+    monkeypatch.setattr(poll_server, "_Conn", Counted)
+    with contextlib.ExitStack() as stack:
+        gateway, server, address = stack.enter_context(_serving(tmp_path))
+        s = stack.enter_context(socket.create_connection(address, timeout=30))
+        f = stack.enter_context(s.makefile("rb"))
+        for _ in range(2):  # the first answered by Python, which arms the descriptor
+            s.sendall(HEAD)
+            assert _read(f)[:2] == (200, b"1")
+        fast0, before = server.fast_polls, dict(writes)
+        for _ in range(100):
+            s.sendall(HEAD)
+            assert _read(f)[:2] == (200, b"1")
+        assert server.fast_polls - fast0 == 100
+        # At most the folds of the wait's returns (a deadline's sweep): never per poll.
+        assert writes["served"] - before["served"] <= 2, writes
+        assert writes["progress"] - before["progress"] <= 2, writes
+        conn = next(iter(server._conns.values()))
+    assert conn.served == 102  # folded: every poll counted on its connection
+    assert gateway.counts()[(0, "ok")] == server.request_counts()[200] == 102
+
+
+@pytest.mark.skipif(not poll_server.FAST, reason="kvsidecar.web._pollfast is not built")
+def test_a_closed_connection_s_descriptor_is_disarmed_before_its_number_is_reused(tmp_path):
+    """The server closes an armed connection (evicted at the connection cap): its
+    descriptor is disarmed as it is closed, so a connection that gets its number next is
+    never served from the closed one's entry (its head, its connection's counts)."""
+    with contextlib.ExitStack() as stack:
+        _, server, address = stack.enter_context(_serving(tmp_path, max_connections=1))
+        first = stack.enter_context(socket.create_connection(address, timeout=30))
+        f = stack.enter_context(first.makefile("rb"))
+        for _ in range(3):
+            first.sendall(HEAD)
+            assert _read(f)[:2] == (200, b"1")
+        (fd,) = server._conns
+        (conn,) = server._conns.values()
+        assert server.fast_polls == 2 and server._fast.armed(fd)
+        second = stack.enter_context(socket.create_connection(address, timeout=30))
+        g = stack.enter_context(second.makefile("rb"))
+        second.sendall(HEAD)
+        assert _read(g)[:2] == (200, b"1")
+        assert server.closed.get("evicted") == 1 and first.recv(1) == b""
+        assert fd not in server._conns and not server._fast.armed(fd)
+        assert conn.served == 3  # its C-served polls folded in as it was closed

@@ -159,6 +159,22 @@ def test_compiled_bytes_equal_the_full_checks_on_random_steps(shm, engine, total
         rank.close()
 
 
+@pytest.mark.parametrize("total", [8, 16, 40, 200, 1000])
+def test_sglang_s_rounded_usage_equals_python_s_round_at_every_tie(shm, total):
+    """SGLang's token usage is rounded to 2 decimals by Python's round (half to even on
+    the exact binary value); the compiled step rounds in C. At every count of small
+    pools (exact ties among them: 1/8, 3/8, 5/8, 7/8) the bytes are the full check's."""
+    rank = Rank(shm, _snapshot("sglang", 1, [_pool(total, 0, total)]))
+    try:
+        assert rank.step.c_read  # the seqlock read through its C API
+        for allocated in range(1, total + 1, max(1, total // 50)):
+            pools = [_pool(total, allocated, total - allocated)]
+            rank.writer.publish(_snapshot("sglang", allocated + 1, pools))
+            assert rank.compiled() == rank.full_check()
+    finally:
+        rank.close()
+
+
 # -- what it declines ----------------------------------------------------------------
 
 
@@ -232,7 +248,9 @@ def test_a_retry_under_a_lapping_writer_is_declined(shm, monkeypatch):
 
         with monkeypatch.context() as m:
             m.setattr(gateway_step, "_seqlock", types.SimpleNamespace(read_latest=lapped))
-            assert _compiled(rank)(time.monotonic()) is None
+            stand_in = _compiled(rank)
+            assert not stand_in.c_read  # a stand-in `read`: called through Python
+            assert stand_in(time.monotonic()) is None
         assert _compiled(rank)(time.monotonic()) is not None
     finally:
         rank.close()
@@ -365,7 +383,7 @@ def test_a_publishing_writer_is_served_without_a_full_check_per_step(shm):
             assert rank.full_check().endswith(body)
         assert rank.gateway.full_checks == checks  # none for 40 steps
         assert rank.slot.advanced == 40
-        assert rank.gateway.answers[(0, "ok")] == 43  # each counted (the first check's too)
+        assert rank.gateway.counts()[(0, "ok")] == 43  # each counted (the first check's too)
     finally:
         f.close()
         s.close()

@@ -98,7 +98,8 @@ def _compile(cc: str, src: str, out_dir: str, extra: list[str]) -> None:
         inc = python_include()
         if inc is None:
             raise FileNotFoundError("Python.h not found (python3-dev)")
-        extra = [f"-I{inc}", *extra]  # the module as setup.py builds it
+        # The module as setup.py builds it: its C API header is beside the original.
+        extra = [f"-I{inc}", f"-I{os.path.dirname(SOURCE)}", *extra]
     cmd = [cc, *CFLAGS, *extra, src]
     proc = subprocess.run(cmd, cwd=out_dir, capture_output=True, text=True, timeout=120)
     if proc.returncode != 0:
