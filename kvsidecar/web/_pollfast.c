@@ -107,8 +107,11 @@ typedef struct {
     unsigned long long version;
     double until;      /* CLOCK_MONOTONIC seconds (time.monotonic()): served before it */
     int ok;            /* `answer` is a 200 answer: the only kind served here */
-    /* The bytes `advance` built last (in its own buffer), served in place of `out`. */
-    const char *built;
+    /* A copy of the bytes `advance` built last (valid while `built`), served in place of
+     * `out`: the advance's own buffer is its to change at its next call, by anyone. */
+    int built;
+    char *buf;
+    size_t buf_cap;
     Py_ssize_t built_len;
     unsigned long long served;   /* answers served by wait() from this slot */
     unsigned long long advanced; /* of which built by `advance` for a new word */
@@ -124,7 +127,7 @@ static int slot_traverse(Slot *s, visitproc visit, void *arg) {
 }
 
 static int slot_clear(Slot *s) {
-    s->built = NULL;
+    s->built = 0;
     s->adv = NULL;
     s->ok = 0;
     Py_CLEAR(s->answer);
@@ -138,6 +141,7 @@ static int slot_clear(Slot *s) {
 static void slot_dealloc(Slot *s) {
     PyObject_GC_UnTrack(s);
     slot_clear(s);
+    PyMem_Free(s->buf);
     Py_TYPE(s)->tp_free((PyObject *)s);
 }
 
@@ -151,7 +155,7 @@ static PyObject *slot_get_advance(Slot *s, void *c) { (void)c; return get_obj(s-
  * a new owner of the next steps). */
 static int slot_set_answer(Slot *s, PyObject *v, void *c) {
     (void)c;
-    s->built = NULL;
+    s->built = 0;
     s->ok = v != NULL && PyTuple_Check(v) && PyTuple_GET_SIZE(v) > 0 &&
             PyLong_CheckExact(PyTuple_GET_ITEM(v, 0)) &&
             PyLong_AsLong(PyTuple_GET_ITEM(v, 0)) == 200;
@@ -162,14 +166,14 @@ static int slot_set_answer(Slot *s, PyObject *v, void *c) {
 
 static int slot_set_out(Slot *s, PyObject *v, void *c) {
     (void)c;
-    s->built = NULL;
+    s->built = 0;
     Py_XSETREF(s->out, v ? Py_NewRef(v) : NULL);
     return 0;
 }
 
 static int slot_set_advance(Slot *s, PyObject *v, void *c) {
     (void)c;
-    s->built = NULL;
+    s->built = 0;
     s->adv = NULL;
     if (is_set(v)) {
         PyObject *cap = PyObject_GetAttrString(v, "_c_advance");
@@ -265,15 +269,25 @@ static const char *slot_current(Slot *s, double now, Py_ssize_t *len) {
             if (rc < 0) PyErr_Clear();
             return NULL;
         }
-        s->built = out;
+        if ((size_t)n > s->buf_cap) {
+            char *grown = PyMem_Realloc(s->buf, (size_t)n);
+            if (grown == NULL) {
+                s->built = 0;
+                return NULL;
+            }
+            s->buf = grown;
+            s->buf_cap = (size_t)n;
+        }
+        memcpy(s->buf, out, (size_t)n);
+        s->built = 1;
         s->built_len = n;
         s->seq = seq;
         s->until = until;
         s->advanced++;
     }
-    if (s->built != NULL) {
+    if (s->built) {
         *len = s->built_len;
-        return s->built;
+        return s->buf;
     }
     *len = PyBytes_GET_SIZE(s->out);
     return PyBytes_AS_STRING(s->out);

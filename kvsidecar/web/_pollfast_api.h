@@ -1,11 +1,11 @@
 /*
  * _pollfast_api.h - what a slot's `advance` may offer the listener's compiled path in C.
  *
- * A `_pollfast.Slot`'s `advance(now)` builds the answer for a moved word (a new step). A
- * Python callable costs its call, the argument float and a result tuple; an object whose
- * type carries the capsule `_c_advance` (named below) is called through its function
- * instead: the bytes stay the object's own (valid until its next call or its end), the
- * slot keeps a reference to it. Called with the GIL held.
+ * A `_pollfast.Slot`'s `advance` builds the answer for a moved word (a new step), in C:
+ * an object whose type carries the capsule `_c_advance` (named below) is called through
+ * its function, with the GIL held (anything else is never called: the Python path decides
+ * the new word). The bytes are the object's own until its next call (by anyone); the slot
+ * copies them before it serves them, and keeps a reference to the object.
  */
 #ifndef KVSIDECAR_POLLFAST_API_H
 #define KVSIDECAR_POLLFAST_API_H
