@@ -19,8 +19,10 @@
  *      link elsewhere) is left to the poller's own probe: its re-attach, within a poll
  *      cycle, gives the reader another map. The reader must still hold this map and
  *      descriptor (checked under the GIL, which the poller's re-attach needs);
- *   2. one seqlock read (`_seqlock.read_latest`, the guarded copy: a SIGBUS is a status),
- *      on the first attempt;
+ *   2. one seqlock read on the first attempt: the latch's own guarded read (a SIGBUS is a
+ *      status) through its C API (kvsidecar/protocol/_seqlock_api.h) into the Step's
+ *      buffers, where `read` is `_seqlock.read_latest` (`c_read`; a test's stand-in is
+ *      called through Python);
  *   3. the 256-byte header equal to the checked one outside the bytes that move at each
  *      publish (`free`: the published sequence, the heartbeat): the state byte still
  *      READY, the same incarnation, writer, geometry and error counts;
@@ -35,13 +37,15 @@
  *      gateway's bound) declines, and an answer is current until the earlier of `every`
  *      from now and that bound. So a quiet engine's heartbeat keeps its answer current
  *      (the listener asks again once the window ends), and a hung one reads 503 as before;
- *   6. the body: the kept text with the three numbers formatted as `gateway_body`
- *      formats them (repr of a float; the usage computed as the engine does, in [0, 1],
- *      SGLang's rounded by Python's own round), Content-Length and the step header.
+ *   6. the body, into the Step's own buffer: the kept text with the three numbers
+ *      formatted as `gateway_body` formats them (repr of a float: a count below 2^53 is
+ *      its digits and ".0"; the usage computed as the engine does, in [0, 1], SGLang's
+ *      rounded as Python's round rounds it), Content-Length and the step header.
  *
  * Anything else (a probe that fails, a retry, a header or a field that moved where it
- * should not, a value out of that range) returns None: the listener hands the poll to the
- * Python path, whose full check decides it and words any error, as before.
+ * should not, a value out of that range) is declined (None from Python, 0 from C): the
+ * listener hands the poll to the Python path, whose full check decides it and words any
+ * error, as before. The listener calls it through `_c_advance` (_pollfast_api.h).
  * tests/daemon/test_gateway_step.py checks the bytes equal to the Python path's on random
  * steps, and each refusal.
  */
