@@ -241,7 +241,7 @@ static int walk_record(const uint8_t **np, const uint8_t *nend, const uint8_t **
 
 /* --------------------------------- Step ---------------------------------- */
 
-static PyObject *s_round, *s_mm, *s_fd;
+static PyObject *s_mm, *s_fd;
 
 static int step_traverse(Step *s, visitproc visit, void *arg) {
     Py_VISIT(s->read);
@@ -399,7 +399,8 @@ typedef struct {
     double usage;
 } Numbers;
 
-/* The payload beside the checked one (step 4 above), and the numbers the body prints. */
+/* The payload beside the checked one (step 4 above), and the numbers the body prints:
+ * 1, or 0 (declined). */
 static int walk(Step *s, const uint8_t *payload, size_t len, Numbers *out) {
     const uint8_t *np = payload;
     const uint8_t *nend = np + len;
@@ -443,24 +444,14 @@ static int walk(Step *s, const uint8_t *payload, size_t len, Numbers *out) {
     default: usage = 0.0;
     }
     if (s->usage != USAGE_NONE && !(usage >= 0.0 && usage <= 1.0)) usage = 1.0;
-    if (s->usage_digits >= 0 && s->usage_digits <= 15 && s->usage != USAGE_NONE) {
+    if (s->usage_digits >= 0 && s->usage != USAGE_NONE) {
         /* Python's round(x, n): the exact binary value rounded half-even to n decimals,
-         * read back; glibc's %.nf rounds the exact value the same way (tested). */
+         * read back; glibc's %.nf rounds the exact value the same way (tested). More
+         * digits than a double's 15 (no engine asks; SGLang: 2) are the full check's. */
+        if (s->usage_digits > 15) return 0;
         char text[32];
         snprintf(text, sizeof text, "%.*f", s->usage_digits, usage);
         usage = strtod(text, NULL);
-    } else if (s->usage_digits >= 0 && s->usage != USAGE_NONE) {
-        PyObject *f = PyFloat_FromDouble(usage);
-        if (f == NULL) return -1;
-        PyObject *digits = PyLong_FromLong(s->usage_digits);
-        PyObject *r = digits == NULL ? NULL
-                                     : PyObject_CallMethodObjArgs(f, s_round, digits, NULL);
-        Py_DECREF(f);
-        Py_XDECREF(digits);
-        if (r == NULL) return -1;
-        usage = PyFloat_AsDouble(r);
-        Py_DECREF(r);
-        if (usage == -1.0 && PyErr_Occurred()) return -1;
     }
     out->usage = usage;
     return 1;
@@ -620,10 +611,7 @@ static int step_advance(Step *s, double now, uint64_t *seq_out, double *until) {
     int rc = read_now(s, &held, &hdr, &pay, &n, &seq);
     if (rc <= 0) goto done;
     rc = 0;
-    if (!header_same(s, hdr)) goto done;
-    rc = walk(s, pay, n, &num);
-    if (rc <= 0) goto done;
-    rc = 0;
+    if (!header_same(s, hdr) || !walk(s, pay, n, &num)) goto done;
     /* Progress as the full check counts it (Target._still_for): the sequence or the
      * heartbeat moved, on the daemon's clock. Declined past the gateway's bound: the
      * full check answers that 503 and words it. */
@@ -713,12 +701,7 @@ PyMODINIT_FUNC PyInit__gatewaystep(void) {
     read_latest_py = PyObject_GetAttrString(sl, "read_latest");
     Py_DECREF(sl);
     if (read_latest_py == NULL) return NULL;
-    seqlock = PyCapsule_Import(KVS_SEQLOCK_CAPSULE, 0);
-    if (seqlock == NULL) return NULL;
-    if (seqlock->version != KVS_SEQLOCK_API_VERSION) {
-        PyErr_SetString(PyExc_ImportError, "kvsidecar.protocol._seqlock: another C API version");
-        return NULL;
-    }
+    if ((seqlock = kvs_seqlock_import()) == NULL) return NULL;
     /* For the listener's compiled path: a Step as a slot's `advance`, called in C. */
     PyObject *fn = PyCapsule_New((void *)advance_c, KVS_ADVANCE_CAPSULE, NULL);
     if (fn == NULL || PyDict_SetItemString(StepType.tp_dict, "_c_advance", fn) < 0) {
@@ -727,7 +710,6 @@ PyMODINIT_FUNC PyInit__gatewaystep(void) {
     }
     Py_DECREF(fn);
     PyType_Modified(&StepType);
-    if ((s_round = PyUnicode_InternFromString("__round__")) == NULL) return NULL;
     if ((s_mm = PyUnicode_InternFromString("mm")) == NULL) return NULL;
     if ((s_fd = PyUnicode_InternFromString("fd")) == NULL) return NULL;
     PyObject *m = PyModule_Create(&module);

@@ -35,4 +35,17 @@ typedef struct {
     int (*load_u64)(const uint8_t *base, size_t len, size_t off, uint64_t *out);
 } KvsSeqlockAPI;
 
+/* The table, taken once at a user's module init (Python.h included before this header):
+ * NULL with ImportError set when it is missing or of another version. */
+#ifdef Py_PYTHON_H
+static inline const KvsSeqlockAPI *kvs_seqlock_import(void) {
+    const KvsSeqlockAPI *api = PyCapsule_Import(KVS_SEQLOCK_CAPSULE, 0);
+    if (api != NULL && api->version != KVS_SEQLOCK_API_VERSION) {
+        PyErr_SetString(PyExc_ImportError, "kvsidecar.protocol._seqlock: another C API version");
+        return NULL;
+    }
+    return api;
+}
+#endif
+
 #endif

@@ -58,7 +58,7 @@
 #define MAX_FD (1 << 20) /* descriptors above are never armed (served by Python) */
 
 static const KvsSeqlockAPI *seqlock; /* kvsidecar.protocol._seqlock's C API */
-static PyObject *s_served, *s_progress, *s_version;
+static PyObject *s_served, *s_progress;
 
 static double mono(void) {
     struct timespec ts;
@@ -219,23 +219,12 @@ static PyTypeObject SlotType = {
     .tp_getset = slot_getset,
 };
 
-/* The epoch's version, or -1 (not current) where it cannot be read. */
+/* The poll cycle unchanged: no epoch, or an Epoch at the slot's version (any other
+ * object is not read here: not current, the Python path decides). */
 static int epoch_same(Slot *s) {
     if (!is_set(s->epoch)) return 1;
-    if (PyObject_TypeCheck(s->epoch, &EpochType))
-        return ((Epoch *)s->epoch)->version == s->version;
-    PyObject *v = PyObject_GetAttr(s->epoch, s_version);
-    if (v == NULL) {
-        PyErr_Clear();
-        return 0;
-    }
-    unsigned long long n = PyLong_AsUnsignedLongLong(v);
-    Py_DECREF(v);
-    if (n == (unsigned long long)-1 && PyErr_Occurred()) {
-        PyErr_Clear();
-        return 0;
-    }
-    return n == s->version;
+    return PyObject_TypeCheck(s->epoch, &EpochType) &&
+           ((Epoch *)s->epoch)->version == s->version;
 }
 
 /* The slot's word now (0), or -1: no map, a closed one, lost pages. */
@@ -680,17 +669,11 @@ PyMODINIT_FUNC PyInit__pollfast(void) {
     if (PyType_Ready(&SlotType) < 0 || PyType_Ready(&TableType) < 0 ||
         PyType_Ready(&EpochType) < 0)
         return NULL;
-    seqlock = PyCapsule_Import(KVS_SEQLOCK_CAPSULE, 0);
-    if (seqlock == NULL) return NULL;
-    if (seqlock->version != KVS_SEQLOCK_API_VERSION) {
-        PyErr_SetString(PyExc_ImportError, "kvsidecar.protocol._seqlock: another C API version");
-        return NULL;
-    }
+    if ((seqlock = kvs_seqlock_import()) == NULL) return NULL;
 #define INTERN(var, text) \
     if ((var = PyUnicode_InternFromString(text)) == NULL) return NULL;
     INTERN(s_served, "served");
     INTERN(s_progress, "progress");
-    INTERN(s_version, "version");
 #undef INTERN
     PyObject *m = PyModule_Create(&module);
     if (m == NULL) return NULL;
